@@ -1,0 +1,64 @@
+# paged-kv-course: `make lab` to learn, `make test` to check everything.
+# Both create .venv and install the project on first use; later runs re-install
+# only when pyproject.toml changes (the stamp file below).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.paged-kv-course-installed
+KERNEL := paged-kv-course
+KERNEL_DISPLAY := Python 3 (paged-kv-course)
+
+# Strict nbval: every stored output is compared, after tests/nbval_sanitize.cfg's regexes.
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	--nbval-cell-timeout 600
+
+# make test-chapter CH=00_setup (or CH=00): the chapter's notebook plus the tests marked chNN.
+CH ?=
+CH_NUM = $(firstword $(subst _, ,$(CH)))
+
+# jupyter refuses to run as root without this flag (CI and container machines run as root).
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+
+.DEFAULT_GOAL := help
+.PHONY: help install lab test test-fast test-chapter lint clean
+
+help:
+	@echo "make lab                    start JupyterLab on notebooks/ (installs .venv first if needed)"
+	@echo "make test                   unit tests + every notebook with nbval"
+	@echo "make test-fast              unit tests only"
+	@echo "make test-chapter CH=00_setup   one chapter: its notebook and the tests marked ch00"
+	@echo "make lint                   ruff check"
+	@echo "make clean                  remove .venv and caches"
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
+	touch $@
+
+install: $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(LAB_ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check course_lib tests bench
+	$(PY) -m pytest tests notebooks $(NBVAL)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests
+
+test-chapter: $(STAMP)
+	@test -n "$(CH)" || { echo "usage: make test-chapter CH=00_setup"; exit 2; }
+	$(PY) -m pytest tests notebooks $(NBVAL) -m ch$(CH_NUM)
+
+lint: $(STAMP)
+	$(BIN)/ruff check course_lib tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

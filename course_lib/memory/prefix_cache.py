@@ -1,0 +1,220 @@
+"""Automatic prefix caching: chained block hashes, a hash -> block map, LRU eviction.
+
+A *full* block is identified by its content **and everything before it**: its hash is
+``hash((parent_hash, token_ids_of_this_block, extra_key))``, where ``parent_hash`` is the hash
+of the previous block (``ROOT_HASH`` for the first). Two requests that share a system prompt
+therefore compute the same hashes for the blocks of that prompt and can share the physical
+blocks. ``extra_key`` salts the chain (a LoRA id, a multimodal input hash, a tenant's
+cache salt) so that equal tokens under different conditions never match.
+
+Only full blocks are cached: a partially filled block is still being written.
+
+A cached block whose reference count drops to zero is *not* freed: it is parked in an LRU
+evictor, still findable by hash, until a new allocation needs the space. Blocks of one freed
+sequence are parked tail first, so the end of a chain is evicted before its beginning (a
+beginning is shared by more future requests). This is vLLM's free-block queue idea.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .block_table import BlockTable
+
+ROOT_HASH = 0  # parent hash of a sequence's first block
+
+HashFn = Callable[[int, tuple, Hashable], int]
+
+
+def builtin_block_hash(parent_hash: int, token_ids: tuple, extra_key: Hashable) -> int:
+    """Python's tuple hash: fast; deterministic across runs for ints and tuples of ints."""
+    return hash((parent_hash, token_ids, extra_key))
+
+
+def sha256_block_hash(parent_hash: int, token_ids: tuple, extra_key: Hashable) -> int:
+    """A cryptographic hash (vLLM's ``prefix_caching_hash_algo="sha256"``): slower,
+    collision-resistant, identical on every machine."""
+    data = pickle.dumps((parent_hash, token_ids, extra_key), protocol=4)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": builtin_block_hash, "sha256": sha256_block_hash}
+
+
+ParentRef = tuple[int, int]  # (block id, generation) of the cached block before this one
+
+
+class BlockKey(NamedTuple):
+    """What a cached block was registered with: enough to verify a hit exactly.
+
+    ``parent`` names the *cached block* before this one (None for a first block), with the
+    generation it had when this key was made. A lookup walks a prompt from its first block,
+    so a hit at block i requires the stored parent to be the very block matched at i-1:
+    by induction a hit proves the whole prefix equal, even if two prefixes' hashes collide.
+    A parent that was evicted and re-registered has a new generation, so stale children
+    can never be matched.
+    """
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple
+    extra_key: Hashable
+    parent: ParentRef | None
+
+
+class PrefixCache:
+    """The hash -> block map and the LRU of cached blocks that no sequence holds."""
+
+    def __init__(self, hash_algo: str = "builtin") -> None:
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"hash_algo must be one of {sorted(HASH_FUNCTIONS)}, "
+                             f"got {hash_algo!r}")
+        self.hash_algo = hash_algo
+        self.hash_fn: HashFn = HASH_FUNCTIONS[hash_algo]
+        self._block_of: dict[int, int] = {}             # block_hash -> block id
+        self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
+        self._generation: dict[int, int] = {}           # block id -> times it was registered
+        self._evictor: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
+        self.num_collisions = 0                         # hash matched, content did not
+
+    # --- lookup and registration -------------------------------------------------------
+    def lookup(self, key: BlockKey) -> int | None:
+        """The cached block registered with exactly this key, or None. A hash match whose
+        tokens, salt or parent differ is a collision and counts as a miss."""
+        block = self._block_of.get(key.block_hash)
+        if block is None:
+            return None
+        if self._key_of[block] != key:
+            self.num_collisions += 1
+            return None
+        return block
+
+    def identity(self, block: int) -> ParentRef:
+        """How a child block's key names this cached block."""
+        return block, self._generation[block]
+
+    def insert(self, block: int, key: BlockKey) -> bool:
+        """Register a full, computed block. Returns False (and registers nothing) when the hash
+        is already cached: the first block with that content stays the canonical one."""
+        if key.block_hash in self._block_of or block in self._key_of:
+            return False
+        self._block_of[key.block_hash] = block
+        self._key_of[block] = key
+        self._generation[block] = self._generation.get(block, 0) + 1
+        return True
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._key_of
+
+    def key_of(self, block: int) -> BlockKey | None:
+        return self._key_of.get(block)
+
+    # --- walking a sequence's chain -----------------------------------------------------
+    def hash_blocks(self, table: BlockTable, upto: int) -> None:
+        """Extend ``table.block_hashes`` to the first ``upto`` full blocks (chained)."""
+        hashes, tokens, bs = table.block_hashes, table.token_ids, table.block_size
+        hash_fn, extra = self.hash_fn, table.extra_key
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for i in range(len(hashes), upto):
+            parent = hash_fn(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra)
+            hashes.append(parent)
+
+    def key(self, table: BlockTable, i: int, parent: ParentRef | None) -> BlockKey:
+        bs = table.block_size
+        parent_hash = table.block_hashes[i - 1] if i else ROOT_HASH
+        return BlockKey(table.block_hashes[i], parent_hash,
+                        tuple(table.token_ids[i * bs:(i + 1) * bs]), table.extra_key, parent)
+
+    def hash_and_match(self, table: BlockTable) -> list[int]:
+        """Hash every full block of a new sequence (into ``table.block_hashes``) and return the
+        cached blocks of its longest matching prefix, leaving at least one token to compute
+        (the model must run on something to produce the next token's logits).
+        One pass, one tuple per block: this runs for every prompt."""
+        tokens, bs, extra = table.token_ids, table.block_size, table.extra_key
+        hashes, hash_fn, block_of, key_of = table.block_hashes, self.hash_fn, self._block_of, \
+            self._key_of
+        max_hits = (len(tokens) - 1) // bs
+        hits: list[int] = []
+        parent_hash, parent, matching = ROOT_HASH, None, True
+        for i in range(len(hashes), len(tokens) // bs):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_hash = hash_fn(parent_hash, block_tokens, extra)
+            hashes.append(block_hash)
+            if matching and i < max_hits:
+                block = block_of.get(block_hash)
+                if block is not None and \
+                        key_of[block] == (block_hash, parent_hash, block_tokens, extra, parent):
+                    hits.append(block)
+                    parent = (block, self._generation[block])
+                else:
+                    self.num_collisions += block is not None
+                    matching = False
+            parent_hash = block_hash
+        return hits
+
+    def register(self, table: BlockTable, upto: int) -> None:
+        """Offer full, computed blocks ``num_cached_blocks .. upto-1`` to the prefix cache.
+        A block whose content is already cached elsewhere is not registered, but the chain
+        continues from that canonical block; if the chain's parent is gone, nothing after it
+        can be found by a lookup, so nothing after it is registered."""
+        cache, parent = self, table.cache_parent
+        for i in range(table.num_cached_blocks, upto):
+            if i and parent is None:
+                break
+            key = self.key(table, i, parent)
+            block = table.blocks[i] if cache.insert(table.blocks[i], key) else cache.lookup(key)
+            parent = None if block is None else cache.identity(block)
+        table.num_cached_blocks, table.cache_parent = upto, parent
+
+    # --- the evictor: cached blocks with ref count 0 --------------------------------------
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictor)
+
+    def park(self, block: int) -> None:
+        """A cached block's ref count reached 0: keep it findable, newest at the MRU end."""
+        self._evictor[block] = None
+
+    def unpark(self, block: int) -> None:
+        """A parked block was hit again: it is held, no longer evictable."""
+        del self._evictor[block]
+
+    def is_parked(self, block: int) -> bool:
+        return block in self._evictor
+
+    def evict(self) -> int:
+        """Drop the least recently used parked block from the cache and return its id."""
+        block, _ = self._evictor.popitem(last=False)
+        key = self._key_of.pop(block)
+        del self._block_of[key.block_hash]
+        return block
+
+    def clear(self) -> list[int]:
+        """Forget every cached block; return the parked ones (the caller frees them)."""
+        parked = list(self._evictor)
+        self._evictor.clear()
+        self._block_of.clear()
+        self._key_of.clear()
+        return parked
+
+    def evictable_blocks(self) -> list[int]:
+        """Parked block ids, next victim first (for drawings and checks)."""
+        return list(self._evictor)
+
+    def check_invariants(self) -> None:
+        """The two maps are inverse; every key re-hashes to its hash; parked blocks are cached."""
+        assert len(self._block_of) == len(self._key_of), "hash map and key map differ in size"
+        for block, key in self._key_of.items():
+            assert self._block_of.get(key.block_hash) == block, f"block {block}: map out of sync"
+            assert self.hash_fn(key.parent_hash, key.token_ids, key.extra_key) == key.block_hash, \
+                f"block {block}: stored hash does not match its content"
+            if key.parent is not None and key.parent[0] in self._key_of \
+                    and self.identity(key.parent[0]) == key.parent:   # the parent is still live
+                assert self._key_of[key.parent[0]].block_hash == key.parent_hash, \
+                    f"block {block}: its parent holds another prefix"
+        for block in self._evictor:
+            assert block in self._key_of, f"parked block {block} is not cached"

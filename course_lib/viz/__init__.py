@@ -1,0 +1,1 @@
+"""Drawings of the course's data structures (matplotlib), one module per picture."""

@@ -1,0 +1,14 @@
+"""The benchmarks keep running (their figures are printed, never asserted)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_block_manager_bench_runs_quick():
+    out = subprocess.run([sys.executable, "bench/block_manager.py", "--quick"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "prefix caching on" in out and "ops/CPU-s" in out
+    assert out.count("x\n") == 4, out    # one row per pool size in the sweep

@@ -1,0 +1,530 @@
+"""Unit tests of the block manager (course_lib.memory): one behaviour per test, hand-computed.
+
+Every test ends with ``m.check_invariants()``; the last group proves that checker can fail.
+The random, stateful counterpart is tests/test_block_manager_stateful.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.memory import ROOT_HASH, AllocStatus, BlockManager, NoFreeBlocksError
+
+BS = 4
+
+
+def mgr(gpu=16, cpu=0, bs=BS, **kw) -> BlockManager:
+    return BlockManager(block_size=bs, num_gpu_blocks=gpu, num_cpu_blocks=cpu, watermark=0.0, **kw)
+
+
+def cached(gpu=16, **kw) -> BlockManager:
+    return mgr(gpu, enable_prefix_caching=True, **kw)
+
+
+def snapshot(m: BlockManager):
+    """Everything a rejected call must leave untouched."""
+    tables = {s: (t.device, list(t.blocks), list(t.token_ids), list(t.block_hashes),
+                  t.num_cached_blocks) for s, t in m._tables.items()}
+    cache = None
+    if m.cache is not None:
+        cache = (m.cache.evictable_blocks(), dict(m.cache._key_of), m.cache.num_collisions)
+    return (list(m.gpu.ref_counts), list(m.cpu.ref_counts), m.gpu.free_block_ids(),
+            m.cpu.free_block_ids(), tables, cache, m.prefix_cache_stats)
+
+
+def rejects(m: BlockManager, exc, match, fn, *args):
+    """``fn(*args)`` raises ``exc`` matching ``match`` and changes nothing."""
+    before = snapshot(m)
+    with pytest.raises(exc, match=match):
+        fn(*args)
+    assert snapshot(m) == before
+    m.check_invariants()
+
+
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+# --------------------------------------------------------------- allocation on demand
+def test_prompt_takes_ceil_blocks_from_a_fresh_pool_in_order():
+    m = mgr()
+    assert m.allocate(0, toks(10)) == 0               # no prefix caching: no cached tokens
+    assert m.get_block_table(0) == [0, 1, 2]          # 10 tokens / 4 per block -> 3 blocks
+    m.allocate(1, toks(1))
+    assert m.get_block_table(1) == [3]
+    m.append_slots(1, toks(8, 1))                     # 9 tokens: 2 new blocks at once
+    assert m.get_block_table(1) == [3, 4, 5]
+    assert m.num_free_gpu_blocks == 10
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("prompt_len", [BS - 1, BS])
+def test_append_takes_a_block_only_when_the_last_is_full(prompt_len):
+    m = mgr()
+    m.allocate(0, toks(prompt_len))
+    lengths_blocks = []
+    for n in range(prompt_len + 1, BS + 2):           # up to block_size + 1 tokens
+        assert m.append_slots(0, [n]) == []
+        lengths_blocks.append((n, len(m.get_block_table(0))))
+    assert lengths_blocks[-1] == (BS + 1, 2)
+    assert all(b == 1 for n, b in lengths_blocks if n <= BS)  # block_size-1, block_size: 1 block
+    assert m.get_block_table(0) == [0, 1]
+    m.check_invariants()
+
+
+def test_slot_mapping_is_block_times_size_plus_offset():
+    m = mgr()
+    m.allocate(0, toks(4))                            # block 0, full
+    m.allocate(1, toks(2))                            # block 1
+    m.append_slots(0, [7, 8])                         # seq 0 grows into block 2
+    t = m.get_table(0)
+    assert t.blocks == [0, 2]
+    assert t.slot_mapping() == [0, 1, 2, 3, 8, 9]
+    assert t.slot_mapping(start=5) == [9]             # one decode step: the last token
+    assert [t.slot(p) for p in range(6)] == [0, 1, 2, 3, 8, 9]
+    with pytest.raises(ValueError):
+        t.slot(6)
+    m.check_invariants()
+
+
+def test_free_returns_every_block_lifo():
+    m = mgr(8)
+    m.allocate(0, toks(10))
+    m.allocate(1, toks(5))
+    m.free(0)
+    assert m.num_free_gpu_blocks == 6
+    assert m.gpu.free_block_ids()[-3:] == [2, 1, 0]   # pushed tail first: 0 is on top
+    m.allocate(2, toks(9))
+    assert m.get_block_table(2) == [0, 1, 2]          # popped straight back, O(1) each
+    m.free(1), m.free(2)
+    assert m.num_free_gpu_blocks == 8 and m.gpu.ref_counts == [0] * 8
+    m.check_invariants()
+
+
+def test_usage_counts_a_shared_block_once():
+    m = mgr(10)
+    m.allocate(0, toks(10))
+    m.fork(0, 1)                                      # 3 blocks, each ref 2
+    u = m.usage()
+    assert (u.num_total_blocks, u.num_free_blocks, u.num_cached_free_blocks) == (10, 7, 0)
+    assert u.block_usage == pytest.approx(3 / 10)
+    assert u.token_usage == pytest.approx((4 + 4 + 2) / 40)
+    m.append_slots(1, [99])                           # CoW: seq 1 gets block 3 with 3 tokens
+    u = m.usage()
+    assert u.block_usage == pytest.approx(4 / 10)
+    assert u.token_usage == pytest.approx((4 + 4 + 2 + 3) / 40)
+    assert m.usage("cpu").block_usage == 0.0
+    m.check_invariants()
+
+
+# -------------------------------------------------------------- fork, copy-on-write
+def test_seed_cow_example_block_4_copied_to_5():
+    m = mgr(8)
+    m.allocate("A", toks(18))                         # 4 full blocks + 2 tokens in block 4
+    m.fork("A", "B")
+    assert m.get_block_table("A") == m.get_block_table("B") == [0, 1, 2, 3, 4]
+    assert m.ref_count(4) == 2
+    assert m.append_slots("A", [100]) == [(4, 5)]     # copy block 4 into new block 5
+    assert m.get_block_table("A") == [0, 1, 2, 3, 5]
+    assert m.get_block_table("B") == [0, 1, 2, 3, 4]
+    assert (m.ref_count(4), m.ref_count(5)) == (1, 1)
+    assert [m.ref_count(b) for b in range(4)] == [2] * 4
+    assert m.append_slots("B", [200]) == []           # B is the last holder: write in place
+    assert m.get_block_table("B") == [0, 1, 2, 3, 4]
+    m.check_invariants()
+
+
+def test_fork_on_a_full_last_block_appends_a_fresh_block_without_copy():
+    m = mgr(8)
+    m.allocate("A", toks(16))
+    m.fork("A", "B")
+    assert m.append_slots("A", [1]) == []
+    assert m.get_block_table("A") == [0, 1, 2, 3, 4]
+    assert m.get_block_table("B") == [0, 1, 2, 3]
+    assert m.ref_count(3) == 2 and m.ref_count(4) == 1
+    m.check_invariants()
+
+
+def test_parallel_sampling_n4_copies_until_the_last_holder():
+    m = mgr(16)
+    m.allocate(0, toks(10))                           # blocks 0, 1 full; 2 partial
+    for child in (1, 2, 3, 4):
+        m.fork(0, child)
+    assert [m.ref_count(b) for b in (0, 1, 2)] == [5, 5, 5]
+    assert m.append_slots(1, [7]) == [(2, 3)]
+    assert m.append_slots(2, [7]) == [(2, 4)]
+    assert m.append_slots(3, [7]) == [(2, 5)]
+    m.free(0)                                         # parent finishes: child 4 is last holder
+    assert m.ref_count(2) == 1
+    assert m.append_slots(4, [7]) == []
+    assert m.get_block_table(4) == [0, 1, 2]
+    assert [m.ref_count(b) for b in (0, 1)] == [4, 4]
+    m.check_invariants()
+
+
+def test_beam_search_like_fork_append_free_returns_everything():
+    m = mgr(32)
+    m.allocate(0, toks(6))
+    beams = [0]
+    next_id = 1
+    for step in range(6):
+        new = []
+        for parent in beams:
+            for _ in range(2):
+                m.fork(parent, next_id)
+                m.append_slots(next_id, [1000 + step])
+                new.append(next_id)
+                next_id += 1
+            m.free(parent)
+        beams = new[:2]                               # keep the best two
+        for dropped in new[2:]:
+            m.free(dropped)
+        m.check_invariants()
+    for b in beams:
+        m.free(b)
+    assert m.num_free_gpu_blocks == 32 and m.gpu.ref_counts == [0] * 32
+    m.check_invariants()
+
+
+# ----------------------------------------------------------------- prefix caching
+def test_prefix_hit_only_after_blocks_are_computed():
+    m = cached()
+    assert m.prefix_cache_stats.hit_rate == 0.0
+    prompt = toks(9)                                  # 2 full blocks + 1 token
+    m.allocate(0, prompt)
+    assert m.allocate(1, prompt) == 0                 # seq 0's K/V not written yet
+    m.mark_blocks_as_computed(0, 9)
+    assert m.allocate(2, prompt) == 2 * BS
+    assert m.get_block_table(2)[:2] == m.get_block_table(0)[:2]
+    assert m.ref_count(m.get_block_table(0)[0]) == 2
+    assert m.get_table(2).num_cached_blocks == 2
+    s = m.prefix_cache_stats                          # counted in tokens, like vLLM's metrics
+    assert (s.queries, s.hits) == (27, 8)
+    assert s.hit_rate == pytest.approx(8 / 27)
+    m.check_invariants()
+
+
+def test_append_marks_earlier_tokens_computed():
+    m = cached()
+    m.allocate(0, toks(8))
+    m.append_slots(0, [50])                           # tokens 0..7 computed by now
+    assert m.allocate(1, toks(8) + [60]) == 2 * BS
+    m.check_invariants()
+
+
+def test_hits_leave_at_least_one_token_to_compute():
+    m = cached()
+    m.allocate(0, toks(8))
+    m.mark_blocks_as_computed(0, 8)
+    assert m.allocate(1, toks(8)) == BS               # not 8: the last token must run
+    assert m.get_block_table(1)[0] == m.get_block_table(0)[0]
+    assert m.get_block_table(1)[1] != m.get_block_table(0)[1]
+    m.check_invariants()
+
+
+def test_extra_key_salt_prevents_a_hit():
+    m = cached()
+    m.allocate(0, toks(9), extra_key="lora-1")
+    m.mark_blocks_as_computed(0, 9)
+    assert m.allocate(1, toks(9), extra_key="lora-2") == 0
+    assert m.allocate(2, toks(9)) == 0
+    assert m.allocate(3, toks(9), extra_key="lora-1") == 8
+    m.check_invariants()
+
+
+def test_freed_cached_block_is_reused_by_identical_prompt():
+    m = cached()
+    m.allocate(0, toks(9))
+    m.mark_blocks_as_computed(0, 9)
+    first = m.get_block_table(0)
+    m.free(0)
+    assert m.cache.evictable_blocks() == [first[1], first[0]]
+    assert m.num_free_gpu_blocks == 16                # parked blocks count as free
+    assert m.allocate(1, toks(9)) == 8
+    assert m.get_block_table(1)[:2] == first[:2]      # same physical blocks
+    assert m.cache.num_evictable == 0
+    m.check_invariants()
+
+
+def test_lru_eviction_oldest_sequence_first_and_tail_before_prefix():
+    m = cached(6)
+    m.allocate("A", toks(9))                          # blocks 0, 1 (cached), 2 (partial)
+    m.allocate("B", toks(9, 100))                     # blocks 3, 4 (cached), 5 (partial)
+    m.mark_blocks_as_computed("A", 9)
+    m.mark_blocks_as_computed("B", 9)
+    m.free("A")
+    m.free("B")
+    assert m.cache.evictable_blocks() == [1, 0, 4, 3]
+    m.allocate("C", toks(24, 500))                    # 6 new blocks, no hit
+    assert m.get_block_table("C") == [5, 2, 1, 0, 4, 3]  # free stack first, then LRU order
+    assert m.cache.num_evictable == 0 and not m.cache.is_cached(1)
+    m.check_invariants()
+
+
+def test_constant_hash_collision_is_detected_not_hit():
+    m = cached()
+    m.cache.hash_fn = lambda p, t, e: 42
+    m.allocate(0, toks(9))
+    m.mark_blocks_as_computed(0, 9)                   # block 1's hash is taken by block 0
+    before = m.cache.num_collisions
+    assert m.allocate(1, toks(9, 100)) == 0           # same hash, other tokens
+    assert m.cache.num_collisions == before + 1
+    assert m.allocate(2, toks(9)) == BS               # block 0 is genuine; block 1 collides
+    assert m.cache.num_collisions == before + 2
+    assert m.allocate(3, toks(9), extra_key="salt") == 0  # same tokens, other salt
+    assert m.cache.num_collisions == before + 3
+    m.check_invariants()
+
+
+def test_block_after_a_colliding_parent_is_not_hit_under_another_prefix():
+    """A hit must prove the whole prefix equal, not just the parent's hash."""
+    m = cached()
+    # Every first block hashes to 1: A and B collide; later blocks hash normally.
+    m.cache.hash_fn = lambda p, t, e: 1 if p == ROOT_HASH else hash((p, t, e))
+    A, B, C = [1, 2, 3, 4], [5, 6, 7, 8], [10, 11, 12, 13]
+    m.allocate(0, A + [9])
+    m.mark_blocks_as_computed(0, 5)                   # A cached under hash 1
+    m.allocate(1, B + C + [99])
+    m.mark_blocks_as_computed(1, 9)                   # B collides with A; C follows B
+    assert m.allocate(2, A + C + [77]) == BS          # C's K/V were computed after B, not A
+    m.check_invariants()
+
+
+def test_reset_prefix_cache_only_when_nothing_is_held():
+    m = cached(8)
+    m.allocate(0, toks(9))
+    m.mark_blocks_as_computed(0, 9)
+    assert m.reset_prefix_cache() is False
+    assert m.cache.is_cached(m.get_block_table(0)[0])
+    m.free(0)
+    assert m.reset_prefix_cache() is True
+    assert m.cache.num_evictable == 0 and m.gpu.num_free_blocks == 8
+    assert m.allocate(1, toks(9)) == 0
+    m.check_invariants()
+
+
+def test_sha256_hash_algo_gives_the_same_hits():
+    m = cached(prefix_caching_hash_algo="sha256")
+    m.allocate(0, toks(13), extra_key=("tenant", 7))
+    m.mark_blocks_as_computed(0, 13)
+    assert m.allocate(1, toks(13), extra_key=("tenant", 7)) == 3 * BS
+    assert m.allocate(2, toks(13)) == 0
+    m.check_invariants()
+
+
+def test_multi_turn_chat_reuses_turn_one_blocks():
+    m = cached()
+    turn1 = toks(6)
+    m.allocate(0, turn1)
+    for tok in (100, 101, 102, 103, 104):             # the reply, one decode step each
+        m.append_slots(0, [tok])
+    history = m.get_table(0).token_ids                # 11 tokens: 2 full blocks
+    first_blocks = m.get_block_table(0)[:2]
+    m.free(0)
+    turn2 = history + [200, 201, 202]
+    assert m.allocate(1, turn2) == 2 * BS
+    assert m.get_block_table(1)[:2] == first_blocks
+    m.check_invariants()
+
+
+# ------------------------------------------------------------------ watermark, can_*
+def test_can_allocate_ok_later_never_with_watermark():
+    m = BlockManager(block_size=BS, num_gpu_blocks=10, watermark=0.2)  # 2 blocks kept free
+    assert m.watermark_blocks == 2
+    assert m.can_allocate(8 * BS) is AllocStatus.OK
+    assert m.can_allocate(8 * BS + 1) is AllocStatus.NEVER  # 9 blocks > 10 - 2
+    m.allocate(0, toks(1))
+    assert m.can_allocate(8 * BS) is AllocStatus.LATER
+    assert m.can_allocate(toks(7 * BS)) is AllocStatus.OK
+    m.check_invariants()
+
+
+def test_can_allocate_counts_cache_hits():
+    m = BlockManager(block_size=BS, num_gpu_blocks=6, watermark=0.0, enable_prefix_caching=True)
+    m.allocate(0, toks(13))                           # 4 blocks, 3 full
+    m.mark_blocks_as_computed(0, 13)
+    assert m.can_allocate(13) is AllocStatus.LATER    # a length alone: 4 blocks, 2 free
+    assert m.can_allocate(toks(13)) is AllocStatus.OK  # 3 hits: 1 new block needed
+    assert m.can_allocate(toks(13, 100)) is AllocStatus.LATER
+    m.check_invariants()
+
+
+def test_parked_cache_hits_are_not_free_blocks_too():
+    m = cached(4)
+    m.allocate(0, toks(9))                            # blocks 0, 1 (cached), 2
+    m.mark_blocks_as_computed(0, 9)
+    m.free(0)                                         # 0, 1 parked; free stack [3, 2]
+    m.allocate(1, toks(8, 100))                       # takes 2 and 3
+    assert m.num_free_gpu_blocks == 2                 # the two parked blocks
+    # The same prompt would hit both parked blocks and still need a third one: none left.
+    assert m.can_allocate(toks(9)) is AllocStatus.LATER
+    rejects(m, NoFreeBlocksError, "needs 1 new", m.allocate, 2, toks(9))
+    m.free(1)
+    assert m.can_allocate(toks(9)) is AllocStatus.OK
+    assert m.allocate(2, toks(9)) == 2 * BS
+    m.check_invariants()
+
+
+def test_can_append_slots_counts_the_cow_block():
+    m = mgr(4)
+    m.allocate(0, toks(6))
+    m.allocate(1, toks(5))                            # pool full
+    assert m.can_append_slots(0, 2)                   # fills block 1 in place
+    m.fork(0, 2)
+    assert m.num_free_gpu_blocks == 0
+    assert not m.can_append_slots(0, 1)               # needs a CoW copy, no room
+    m.free(1)                                         # 2 blocks free
+    assert m.can_append_slots(0, 2)                   # CoW only
+    assert m.can_append_slots(0, 3)                   # CoW + 1 new
+    assert not m.can_append_slots(0, 7)               # CoW + 2 new
+    m.check_invariants()
+
+
+# -------------------------------------------------------------------------- swapping
+def forked_group(m):
+    m.allocate(0, toks(10))
+    m.fork(0, 1)
+    m.fork(0, 2)
+    m.append_slots(1, [77])                           # seq 1: private copy of block 2 -> 3
+
+
+def test_swap_out_moves_shared_blocks_once_and_swap_in_restores():
+    m = mgr(8, cpu=8)
+    forked_group(m)
+    mapping = m.swap_out([0, 1, 2])
+    assert [g for g, _ in mapping] == [0, 1, 2, 3]    # 4 distinct blocks, not 12 entries
+    assert [c for _, c in mapping] == [0, 1, 2, 3]
+    assert [m.ref_count(b, "cpu") for b in range(4)] == [3, 3, 2, 1]
+    assert m.get_block_table(1) == [0, 1, 3]
+    assert m.num_free_gpu_blocks == 8 and m.num_free_cpu_blocks == 4
+    rejects(m, ValueError, "cpu", m.append_slots, 0, [5])
+    tokens = {s: list(m.get_table(s).token_ids) for s in (0, 1, 2)}
+    back = m.swap_in([0, 1, 2])
+    assert sorted(c for c, _ in back) == [0, 1, 2, 3]
+    assert {s: m.get_table(s).token_ids for s in (0, 1, 2)} == tokens
+    assert all(m.get_table(s).device == "gpu" for s in (0, 1, 2))
+    assert m.num_free_cpu_blocks == 8
+    assert m.append_slots(0, [5]) == [(2, 4)]         # 0 and 2 share block 2 again: CoW
+    m.check_invariants()
+
+
+def test_swap_out_without_cpu_room_changes_nothing():
+    m = mgr(8, cpu=3)
+    forked_group(m)
+    assert not m.can_swap_out([0, 1, 2])
+    rejects(m, NoFreeBlocksError, "CPU", m.swap_out, [0, 1, 2])
+
+
+def test_swap_in_without_gpu_room_changes_nothing_and_free_returns_cpu_blocks():
+    m = mgr(4, cpu=8)
+    forked_group(m)
+    m.swap_out([0, 1, 2])
+    m.allocate(9, toks(13))                           # 4 blocks: GPU full
+    assert m.can_swap_in([0, 1, 2]) is AllocStatus.LATER
+    rejects(m, NoFreeBlocksError, "GPU", m.swap_in, [0, 1, 2])
+    for s in (0, 1, 2):
+        m.free(s)
+    assert m.num_free_cpu_blocks == 8 and m.cpu.ref_counts == [0] * 8
+    m.check_invariants()
+
+
+def test_swap_in_part_of_a_group_keeps_the_shared_cpu_blocks():
+    m = mgr(8, cpu=8)
+    forked_group(m)
+    m.swap_out([0, 1, 2])
+    assert sorted(c for c, _ in m.swap_in([1])) == [0, 1, 3]  # 0 and 2 stay on the CPU
+    assert [m.ref_count(b, "cpu") for b in range(4)] == [2, 2, 2, 0]
+    assert m.get_table(0).device == "cpu" and m.get_table(1).device == "gpu"
+    m.check_invariants()
+    m.swap_in([0, 2])
+    for s in (0, 1, 2):
+        m.free(s)
+    assert m.num_free_gpu_blocks == 8 and m.num_free_cpu_blocks == 8
+    m.check_invariants()
+
+
+# ------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("call", ["append_slots", "free", "fork", "get_block_table"])
+def test_unknown_seq_id_names_the_id(call):
+    m = mgr()
+    m.allocate(0, toks(5))
+    args = {"append_slots": (4242, [1]), "fork": (4242, 7)}.get(call, (4242,))
+    rejects(m, ValueError, "4242", getattr(m, call), *args)
+
+
+def test_duplicate_ids_and_double_free_are_rejected():
+    m = mgr()
+    m.allocate(0, toks(5))
+    m.allocate(1, toks(5))
+    rejects(m, ValueError, "already allocated", m.allocate, 0, toks(3))
+    rejects(m, ValueError, "already allocated", m.fork, 0, 1)
+    m.free(1)
+    rejects(m, ValueError, "seq 1 has no blocks", m.free, 1)
+
+
+@pytest.mark.parametrize("bs", [0, 3, 12, 512, 16.0])
+def test_block_size_must_be_a_power_of_two(bs):
+    with pytest.raises(ValueError, match="power of two"):
+        BlockManager(block_size=bs)
+
+
+@pytest.mark.parametrize("kw", [dict(num_gpu_blocks=-1), dict(num_cpu_blocks=-1),
+                                dict(watermark=1.0),
+                                dict(enable_prefix_caching=True, prefix_caching_hash_algo="md5")])
+def test_bad_constructor_arguments(kw):
+    with pytest.raises(ValueError):
+        BlockManager(**kw)
+
+
+def test_prompt_larger_than_the_pool_never_fits():
+    m = mgr(4)
+    assert m.can_allocate(4 * BS + 1) is AllocStatus.NEVER
+    assert m.can_allocate(toks(4 * BS + 1)) is AllocStatus.NEVER
+    rejects(m, ValueError, "can never fit", m.allocate, 0, toks(4 * BS + 1))
+    rejects(m, ValueError, "at least 1 token", m.allocate, 0, [])
+    with pytest.raises(ValueError):
+        m.can_allocate([])
+
+
+def test_bad_counts_are_rejected():
+    m = cached()
+    m.allocate(0, toks(6))
+    rejects(m, ValueError, r"\[0, 6\]", m.mark_blocks_as_computed, 0, 7)
+    rejects(m, ValueError, ">= 0", m.can_append_slots, 0, -1)
+
+
+def test_allocate_and_append_without_room_change_nothing():
+    m = cached(3)
+    m.allocate(0, toks(8))                            # 2 full blocks
+    m.mark_blocks_as_computed(0, 8)
+    m.allocate(1, toks(3, 50))                        # the last block
+    rejects(m, NoFreeBlocksError, "can_allocate", m.allocate, 2, toks(5, 90))
+    rejects(m, NoFreeBlocksError, "preempt", m.append_slots, 0, [1])
+    m.fork(1, 3)
+    rejects(m, NoFreeBlocksError, "preempt", m.append_slots, 1, [1])  # CoW needs a block
+
+
+# --------------------------------------------------- check_invariants can fail
+def corrupted(kind):
+    m = cached()
+    m.allocate(0, toks(9))
+    m.mark_blocks_as_computed(0, 9)
+    m.check_invariants()
+    block = m.get_block_table(0)[0]
+    if kind == "ref_count":
+        m.gpu.ref_counts[block] += 1
+    elif kind == "free_stack":
+        m.gpu._free.append(block)
+    elif kind == "cached_tokens":
+        key = m.cache._key_of[block]
+        m.cache._key_of[block] = key._replace(token_ids=(9, 9, 9, 9))
+    elif kind == "table_tokens":
+        m.get_table(0).token_ids[1] = 999
+    return m
+
+
+@pytest.mark.parametrize("kind", ["ref_count", "free_stack", "cached_tokens", "table_tokens"])
+def test_check_invariants_catches_corruption(kind):
+    m = corrupted(kind)
+    with pytest.raises(AssertionError):
+        m.check_invariants()
