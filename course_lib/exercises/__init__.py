@@ -3,6 +3,9 @@
 A learner writes a function in the notebook; :func:`check` runs it and the library's version on
 the same cases and says, in one line, whether they agree. An exercise left as
 ``raise NotImplementedError`` is reported as not attempted, so a fresh notebook runs clean.
+
+The generic :func:`check` lives here; each chapter's exercise cases and checkers live in
+``course_lib/exercises/chNN.py`` (e.g. ``from course_lib.exercises import ch03``).
 """
 
 from __future__ import annotations
