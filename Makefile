@@ -22,13 +22,14 @@ CH_NUM = $(firstword $(subst _, ,$(CH)))
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test test-fast test-chapter lint clean
+.PHONY: help install lab test test-fast test-chapter test-browser lint clean
 
 help:
 	@echo "make lab                    start JupyterLab on notebooks/ (installs .venv first if needed)"
 	@echo "make test                   unit tests + every notebook with nbval"
 	@echo "make test-fast              unit tests only"
 	@echo "make test-chapter CH=00_setup   one chapter: its notebook and the tests marked ch00"
+	@echo "make test-browser           chapter 03 in JupyterLab driven by Chromium (needs /usr/bin/chromium)"
 	@echo "make lint                   ruff check"
 	@echo "make clean                  remove .venv and caches"
 
@@ -55,6 +56,10 @@ test-fast: $(STAMP)
 test-chapter: $(STAMP)
 	@test -n "$(CH)" || { echo "usage: make test-chapter CH=00_setup"; exit 2; }
 	$(PY) -m pytest tests notebooks $(NBVAL) -m ch$(CH_NUM)
+
+# A learner's walk in a real browser: JupyterLab on 127.0.0.1 + Playwright driving Debian's chromium.
+test-browser: $(STAMP)
+	COURSE_BROWSER_TEST=1 $(PY) -m pytest tests/browser -p no:cacheprovider
 
 lint: $(STAMP)
 	$(BIN)/ruff check course_lib tests bench

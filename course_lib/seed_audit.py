@@ -191,7 +191,7 @@ def _seed_001() -> list[SeedClaim]:
     ratio = 100 * kv / m7.weight_bytes
     s.add("001-ratio", "key parameters", "that cache is close to 4% of the weights", 4, "%",
           ratio, "ok", f"{kv:,} / {m7.weight_bytes:,} = {ratio:.2f}%. From "
-          f"{m7.weight_bytes // cap.kv_bytes_per_token(m7):,} tokens on, one request's cache "
+          f"{m7.weight_bytes // cap.kv_bytes_per_token(m7) + 1:,} tokens on, one request's cache "
           "outweighs the whole model.")
     used = [256, 512, 128]
     static = 100 * cap.static_utilization(used, 1024)

@@ -1,0 +1,310 @@
+"""Chapters 01 and 08: exercise checkers, figures, the seed-claims table, the capacity explorer.
+
+Checkers must pass the library's own solution and fail the typical wrong ones; figures must
+show one bar or line per input; the explorer must react to its widgets. Expected numbers are
+multiplied out here from the models' configs, never read back from the library.
+"""
+
+import math
+
+import pytest
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from course_lib import capacity as cap
+from course_lib.capacity import GiB, KiB, MiB
+from course_lib.exercises import ch01, ch08
+from course_lib.viz import capacity as viz
+
+pytestmark = [pytest.mark.ch01, pytest.mark.ch08]
+
+
+def not_attempted(*args):
+    raise NotImplementedError
+
+
+# ---------------------------------------------------------------- chapter 01 exercises
+
+def test_ch01_references_on_known_models():
+    assert ch01.reference_kv_bytes_per_token(80, 8, 128, 2) == 327_680     # 70B
+    assert ch01.reference_kv_bytes_per_token(32, 32, 128, 2) == 524_288    # Llama-2-7B
+    assert ch01.reference_mla_kv_bytes_per_token(61, 512, 64, 2, 1) == 61 * 576 * 2
+    assert ch01.reference_mla_kv_bytes_per_token(61, 512, 64, 2, 8) == 61 * 576 * 2
+    assert ch01.reference_tokens_that_fit(80, 327_680) == 262_144
+    assert ch01.reference_tokens_that_fit(2, 3) == 715_827_882  # 715,827,882.67 floored
+
+
+def test_ch01_checkers_pass_the_library_solution():
+    for check, ref in ((ch01.check_kv_bytes_per_token, ch01.reference_kv_bytes_per_token),
+                       (ch01.check_mla_kv_bytes_per_token,
+                        ch01.reference_mla_kv_bytes_per_token),
+                       (ch01.check_tokens_that_fit, ch01.reference_tokens_that_fit)):
+        verdict = check(ref)
+        assert verdict.ok and verdict.total >= 7, verdict
+
+
+def test_ch01_checkers_accept_a_plain_correct_solution():
+    assert ch01.check_kv_bytes_per_token(lambda L, h, d, b: L * 2 * h * d * b).ok
+    assert ch01.check_mla_kv_bytes_per_token(lambda L, r, p, b, tp: L * (r + p) * b).ok
+    assert ch01.check_tokens_that_fit(lambda g, b: math.floor(g * 2**30 / b)).ok
+
+
+@pytest.mark.parametrize("check, wrong, why", [
+    (ch01.check_kv_bytes_per_token, lambda L, h, d, b: L * h * d * b, "forgot K and V"),
+    (ch01.check_kv_bytes_per_token, lambda L, h, d, b: L * 2 * h * d * 2, "assumed FP16"),
+    (ch01.check_kv_bytes_per_token, lambda L, h, d, b: 2 * h * d * b, "one layer"),
+    (ch01.check_mla_kv_bytes_per_token, lambda L, r, p, b, tp: L * (r + p) * b // tp,
+     "divided the latent by TP"),
+    (ch01.check_mla_kv_bytes_per_token, lambda L, r, p, b, tp: L * r * b, "forgot the RoPE key"),
+    (ch01.check_mla_kv_bytes_per_token, lambda L, r, p, b, tp: 2 * L * (r + p) * b,
+     "stored K and V"),
+    (ch01.check_tokens_that_fit, lambda g, b: round(g * 2**30 / b), "rounded instead of floor"),
+    (ch01.check_tokens_that_fit, lambda g, b: math.ceil(g * 2**30 / b), "rounded up"),
+    (ch01.check_tokens_that_fit, lambda g, b: int(g * 10**9 // b), "decimal GB"),
+])
+def test_ch01_checkers_fail_wrong_solutions(check, wrong, why):
+    verdict = check(wrong)
+    assert verdict.attempted and not verdict.ok, why
+    assert "the library returns" in str(verdict)
+
+
+def test_ch01_not_attempted_and_crashing_solutions():
+    assert not ch01.check_kv_bytes_per_token(not_attempted).attempted
+    assert "not attempted" in str(ch01.check_tokens_that_fit(not_attempted))
+    verdict = ch01.check_tokens_that_fit(lambda g, b: 1 // 0)
+    assert verdict.passed == 0 and "ZeroDivisionError" in str(verdict)
+
+
+# ---------------------------------------------------------------- chapter 08 exercises
+
+def test_ch08_references_on_seed_cases():
+    assert ch08.reference_num_gpu_blocks(80, 0.9, 17.5, 3.5, 655_360) == 83_558
+    assert ch08.reference_num_gpu_blocks(80, 0.9, 16, 0, 2 * MiB) == 28_672
+    assert ch08.reference_num_gpu_blocks(24, 0.5, 6, 6, MiB) == 0
+    with pytest.raises(ValueError):
+        ch08.reference_num_gpu_blocks(24, 0.5, 6, 7, MiB)
+    assert [ch08.reference_kv_heads_per_rank(8, tp) for tp in (1, 2, 8, 16)] == [8, 4, 1, 1]
+    with pytest.raises(ValueError):
+        ch08.reference_kv_heads_per_rank(8, 3)
+    assert ch08.reference_max_num_requests(100, 16, 20) == 50
+    assert ch08.reference_max_num_requests(3258, 16, 32_768) == 1
+
+
+def right_num_gpu_blocks(total, util, weights, other, block_bytes):
+    budget = (total * util - weights - other) * 2**30
+    if budget < 0:
+        raise ValueError(f"negative budget {budget}")
+    return int(budget // block_bytes)
+
+
+def right_kv_heads_per_rank(heads, tp):
+    if tp < 1 or (heads % tp if tp <= heads else tp % heads):
+        raise ValueError(f"bad tp {tp}")
+    return max(1, heads // tp)
+
+
+def test_ch08_checkers_pass_the_library_and_plain_solutions():
+    assert ch08.check_num_gpu_blocks(ch08.reference_num_gpu_blocks).ok
+    assert ch08.check_num_gpu_blocks(right_num_gpu_blocks).ok
+    assert ch08.check_kv_heads_per_rank(ch08.reference_kv_heads_per_rank).ok
+    assert ch08.check_kv_heads_per_rank(right_kv_heads_per_rank).ok
+    assert ch08.check_max_num_requests(ch08.reference_max_num_requests).ok
+    assert ch08.check_max_num_requests(lambda n, bs, L: n // -(-L // bs)).ok
+
+
+def no_raise_num_gpu_blocks(total, util, weights, other, block_bytes):
+    return max(0, int((total * util - weights - other) * 2**30 // block_bytes))
+
+
+def rounding_num_gpu_blocks(total, util, weights, other, block_bytes):
+    budget = (total * util - weights - other) * 2**30
+    if budget < 0:
+        raise ValueError("negative")
+    return round(budget / block_bytes)
+
+
+def always_raises(*args):
+    raise ValueError("never fits")
+
+
+@pytest.mark.parametrize("check, wrong, why", [
+    (ch08.check_num_gpu_blocks, no_raise_num_gpu_blocks, "returns 0 when the model does not fit"),
+    (ch08.check_num_gpu_blocks, rounding_num_gpu_blocks, "rounds blocks to nearest"),
+    (ch08.check_num_gpu_blocks, lambda t, u, w, o, b: int((t * u - w - o) * 1e9 // b),
+     "decimal GB"),
+    (ch08.check_num_gpu_blocks, always_raises, "raises everywhere"),
+    (ch08.check_kv_heads_per_rank, lambda h, tp: h // tp, "0 heads beyond num_kv_heads"),
+    (ch08.check_kv_heads_per_rank, lambda h, tp: max(1, h // tp), "accepts TP that cannot split"),
+    (ch08.check_max_num_requests, lambda n, bs, L: n * bs // L, "counts tokens, not blocks"),
+    (ch08.check_max_num_requests, lambda n, bs, L: n // max(1, L // bs), "rounds blocks down"),
+])
+def test_ch08_checkers_fail_wrong_solutions(check, wrong, why):
+    verdict = check(wrong)
+    assert verdict.attempted and not verdict.ok, why
+
+
+def test_ch08_not_attempted():
+    for check in (ch08.check_num_gpu_blocks, ch08.check_kv_heads_per_rank,
+                  ch08.check_max_num_requests):
+        assert not check(not_attempted).attempted
+
+
+# ---------------------------------------------------------------- figures
+
+def bars(ax) -> list[Rectangle]:
+    return [p for p in ax.patches if isinstance(p, Rectangle)]
+
+
+def test_bytes_per_token_chart_has_one_bar_per_model():
+    specs = list(cap.PRESETS.values())
+    fig = viz.draw_kv_bytes_per_token(specs)
+    assert isinstance(fig, Figure)
+    ax = fig.axes[0]
+    assert len(bars(ax)) == len(specs)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [s.name for s in specs]
+    heights = {s.name: b.get_height() for s, b in zip(specs, bars(ax), strict=True)}
+    assert heights["Llama-2-7B"] == 32 * 2 * 32 * 128 * 2 / KiB
+    assert heights["DeepSeek-V3"] == 61 * 576 * 2 / KiB
+    with pytest.raises(ValueError):
+        viz.draw_kv_bytes_per_token([])
+
+
+def test_projection_chart_counts_quadratic_vs_linear():
+    fig = viz.draw_kv_projections(5)
+    left, right = fig.axes
+    assert len(bars(left)) == 10
+    no_cache, cache = right.get_lines()
+    assert list(no_cache.get_ydata()) == [1, 3, 6, 10, 15]
+    assert list(cache.get_ydata()) == [1, 2, 3, 4, 5]
+
+
+def test_crossing_point_is_the_first_token_count_above_the_weights():
+    for spec in cap.PRESETS.values():
+        n = viz.weights_kv_crossing_tokens(spec)
+        per_token = spec.num_layers * (
+            (spec.kv_lora_rank + spec.qk_rope_head_dim) * spec.dtype_bytes if spec.is_mla
+            else 2 * spec.num_kv_heads * spec.head_dim * spec.dtype_bytes)
+        assert (n - 1) * per_token <= spec.weight_bytes < n * per_token
+    assert viz.weights_kv_crossing_tokens(cap.get_preset("llama-2-7b")) == 25_706
+    # 13,476,831,232 B of weights / 524,288 B per token = 25,705.0006: the audit says the same
+    ratio = next(c for c in viz.seed_audit.audit() if c.key == "001-ratio")
+    assert "From 25,706 tokens on" in ratio.explanation
+
+
+def test_kv_vs_weights_draws_a_line_and_a_weight_level_per_model():
+    specs = [cap.get_preset("llama-2-7b"), cap.get_preset("llama-3-8b")]
+    ax = viz.draw_kv_vs_weights(specs, 200_000).axes[0]
+    kv_lines = [ln for ln in ax.get_lines() if ln.get_label().endswith("KV cache")]
+    assert len(kv_lines) == 2
+    texts = [t.get_text() for t in ax.texts]
+    assert "25,706 tokens" in texts and "122,533 tokens" in texts  # both cross below 200K
+
+
+def test_budget_parts_add_up_and_the_chart_stacks_them():
+    b = cap.plan_kv_cache(cap.get_preset("llama-3-70b"), 80, gpu_memory_utilization=0.9,
+                          tensor_parallel_size=8, weight_gib=17.5, activation_gib=2,
+                          overhead_gib=1.5)
+    parts = viz.budget_parts(b)
+    assert sum(parts.values()) == 80 * GiB
+    assert parts["KV blocks"] == 83_558 * 655_360
+    assert parts["not used (1 - utilization)"] == 8 * GiB
+    assert 0 <= parts["left over"] < 655_360
+    ax = viz.draw_memory_budget([("a", b), ("b", b), ("c", b)]).axes[0]
+    assert len(bars(ax)) == 3 * len(viz.BUDGET_PARTS)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c"]
+
+
+def test_tp_sweep_shrinks_gqa_until_one_head_and_never_mla():
+    specs = [cap.get_preset("llama-3-70b"), cap.get_preset("deepseek-v3")]
+    gqa, mla = viz.draw_tp_sweep(specs, [1, 2, 4, 8, 16]).axes[0].get_lines()
+    assert list(gqa.get_ydata()) == [320, 160, 80, 40, 40]
+    assert list(mla.get_ydata()) == [61 * 576 * 2 / KiB] * 5
+
+
+def test_block_size_tradeoff_measures_waste_and_table_length():
+    rows = viz.block_size_tradeoff([1, 16, 17], [8, 16])
+    r8, r16 = rows
+    # block_size 8: 1 -> 1 block (7 empty), 16 -> 2 (0), 17 -> 3 (7)
+    assert (r8.mean_waste_tokens, r8.max_waste_tokens, r8.mean_blocks_per_seq) == (14 / 3, 7, 2)
+    assert r8.wasted_fraction == 14 / 48
+    # block_size 16: 1 -> 1 (15), 16 -> 1 (0), 17 -> 2 (15)
+    assert (r16.mean_waste_tokens, r16.expected_waste_tokens) == (10, 7.5)
+    assert r16.mean_blocks_per_seq == 4 / 3
+    fig = viz.draw_block_size_tradeoff(rows)
+    assert len(bars(fig.axes[0])) == 3 * 2 and len(bars(fig.axes[1])) == 2
+    with pytest.raises(ValueError):
+        viz.block_size_tradeoff([], [16])
+
+
+# ---------------------------------------------------------------- the seed-claims table
+
+def test_claims_table_keeps_order_and_shows_both_values():
+    table = viz.claims_table(["003-4.2-block", "000-1.2-per-token"])
+    assert [c.key for c in table.rows] == ["003-4.2-block", "000-1.2-per-token"]
+    text = str(table)
+    assert text.index("003-4.2-block") < text.index("000-1.2-per-token")
+    assert "seed says 0.125 MiB, course computes 2 MiB" in text
+    html = table._repr_html_()
+    assert html.count("<tr>") == 3 and "WRONG" not in html and ">wrong<" in html
+
+
+def test_claims_table_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="no-such-claim"):
+        viz.claims_table(["000-1.2-per-token", "no-such-claim"])
+
+
+# ---------------------------------------------------------------- the capacity explorer
+
+def test_explorer_default_is_llama_3_8b_on_80_gib():
+    explorer = viz.CapacityExplorer()
+    weights = 8_030_261_248 * 2
+    blocks = (round(80 * GiB * 0.9) - weights) // (16 * 32 * 2 * 8 * 128 * 2)
+    assert explorer.state.plan().num_gpu_blocks == blocks
+    assert f"# GPU blocks: {blocks}" in explorer.summary.value
+    assert bytes(explorer.image.value).startswith(b"\x89PNG")
+
+
+def test_explorer_reacts_to_each_widget():
+    explorer = viz.CapacityExplorer()
+    drawings = [bytes(explorer.image.value)]
+    explorer.utilization.value = 0.95
+    assert explorer.state.gpu_memory_utilization == 0.95
+    assert "x 0.95" in explorer.summary.value
+    drawings.append(bytes(explorer.image.value))
+    explorer.memory.value = 40
+    assert explorer.state.total_gpu_memory_gib == 40.0
+    drawings.append(bytes(explorer.image.value))
+    explorer.block_size.value = 32
+    assert explorer.state.block_size == 32 and "block 4.0 MiB" in explorer.summary.value
+    drawings.append(bytes(explorer.image.value))  # the block count printed on the bar changes
+    assert len(set(drawings)) == 4
+    explorer.max_model_len.value = 2048
+    assert explorer.state.max_model_len == 2048
+    assert "Maximum concurrency for 2,048 tokens" in explorer.summary.value
+
+
+def test_explorer_tp_options_follow_the_model():
+    explorer = viz.CapacityExplorer()
+    explorer.preset.value = "llama-3-70b"
+    assert explorer.tp.options == (1, 2, 4, 8, 16)
+    assert "does not start" in explorer.summary.value  # 131 GiB of weights on one GPU
+    before = bytes(explorer.image.value)
+    explorer.tp.value = 4
+    assert explorer.state.tensor_parallel_size == 4
+    assert "TP=4" in explorer.summary.value and "does not start" not in explorer.summary.value
+    assert bytes(explorer.image.value) != before
+    explorer.preset.value = "qwen2.5-7b"  # 28 query heads, 4 KV heads: TP 4 still valid
+    assert explorer.tp.options == (1, 2, 4) and explorer.state.tensor_parallel_size == 4
+    explorer.preset.value = "llama-2-7b"  # 32 heads: TP 4 is kept
+    explorer.tp.value = 16
+    explorer.preset.value = "qwen2.5-7b"  # 16 does not split 28 heads: back to 1
+    assert explorer.tp.value == 1 and explorer.state.tensor_parallel_size == 1
+
+
+def test_explorer_state_summary_reports_a_model_that_does_not_fit():
+    state = viz.ExplorerState(preset="deepseek-v3", tensor_parallel_size=8)
+    assert state.summary().startswith("does not start: KV cache budget is negative")
+    fig = viz.draw_explorer_state(state)
+    assert "does not fit" in fig.axes[0].get_title()
+    ok = viz.ExplorerState(preset="deepseek-v3", tensor_parallel_size=16)
+    assert "DeepSeek-V3 (MLA), TP=16" in ok.summary()

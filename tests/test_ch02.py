@@ -1,0 +1,152 @@
+"""Chapter 02: the exercise checkers and the fragmentation drawings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+from course_lib.exercises import ch02
+from course_lib.sim import static as ss
+from course_lib.sim.traces import sharegpt_like
+from course_lib.viz import fragmentation as vf
+
+pytestmark = pytest.mark.ch02
+
+
+def not_attempted(*_):
+    raise NotImplementedError
+
+
+def test_checkers_pass_the_library_and_fail_wrong_answers():
+    assert ch02.check_internal_waste(ch02.internal_waste).ok
+    assert not ch02.check_internal_waste(lambda r, n: r - n + 1).ok
+    assert ch02.check_pow2_reservation(ch02.pow2_reservation).ok
+    wrong_pow2 = ch02.check_pow2_reservation(lambda n: 1 << n.bit_length())   # 1 -> 2
+    assert not wrong_pow2.ok and "(1) returned 2" in wrong_pow2.first_problem
+    assert ch02.check_paged_waste(ch02.paged_waste).ok
+    assert not ch02.check_paged_waste(lambda n, b: b - n % b).ok        # 16 -> 16, not 0
+    assert ch02.check_first_fit(ch02.first_fit).ok
+
+
+def best_fit(num_slots, events):
+    """A wrong allocator for the checker: best fit instead of first fit."""
+    holes, starts = [(0, num_slots)], {}
+    for i, (kind, value) in enumerate(events):
+        if kind == "alloc":
+            fits = [h for h in holes if h[1] >= value]
+            if not fits:
+                starts[i] = None
+                continue
+            s, n = min(fits, key=lambda h: (h[1], h[0]))
+            holes.remove((s, n))
+            if n > value:
+                holes.append((s + value, n - value))
+            starts[i] = s
+        else:
+            holes.append((starts[value], events[value][1]))
+            holes.sort()
+            merged = [holes[0]]
+            for s, n in holes[1:]:
+                if merged[-1][0] + merged[-1][1] == s:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
+                else:
+                    merged.append((s, n))
+            holes = merged
+    return [starts[i] for i in sorted(starts)]
+
+
+def no_merge_first_fit(num_slots, events):
+    """A wrong allocator: first fit, but freed ranges never merge with their neighbours."""
+    holes, starts = [(0, num_slots)], {}
+    for i, (kind, value) in enumerate(events):
+        if kind == "alloc":
+            j = next((j for j, h in enumerate(holes) if h[1] >= value), None)
+            if j is None:
+                starts[i] = None
+                continue
+            s, n = holes[j]
+            holes[j] = (s + value, n - value)
+            starts[i] = s
+        else:
+            holes.append((starts[value], events[value][1]))
+            holes.sort()
+    return [starts[i] for i in sorted(starts)]
+
+
+def test_first_fit_checker_catches_best_fit_and_missing_merges():
+    assert not ch02.check_first_fit(best_fit).ok
+    assert not ch02.check_first_fit(no_merge_first_fit).ok
+
+
+def test_not_attempted_exercises_say_so():
+    for checker in (ch02.check_internal_waste, ch02.check_pow2_reservation,
+                    ch02.check_paged_waste, ch02.check_first_fit):
+        verdict = checker(not_attempted)
+        assert not verdict.attempted and "not attempted yet" in str(verdict)
+
+
+def test_request_segments_split_a_reservation():
+    segs = vf.request_segments(100, 1024, 300, 256, "A")
+    assert segs == [vf.Segment(100, 256, "token_states", "A"),
+                    vf.Segment(356, 44, "reserved"), vf.Segment(400, 724, "internal")]
+    assert vf.request_segments(0, 8, 8, 8) == [vf.Segment(0, 8, "token_states")]
+    with pytest.raises(ValueError, match="states <= final_len <= reserved"):
+        vf.request_segments(0, 8, 9, 1)
+
+
+def test_allocator_segments_mark_holes_external_only_when_blocked():
+    alloc = ss.ContiguousAllocator(10)
+    a, b, c = alloc.allocate(3), alloc.allocate(4), alloc.allocate(2)
+    alloc.free(b)
+    info = {a: ("A", 3, 2), c: ("C", 2, 2)}
+    blocked = vf.allocator_segments(alloc, info, next_request_size=5)
+    assert [(s.category, s.length) for s in blocked if s.category in ("external", "free")] == \
+        [("external", 4), ("external", 1)]
+    fits = vf.allocator_segments(alloc, info, next_request_size=4)
+    assert {s.category for s in fits} == {"token_states", "reserved", "free"}
+    assert sum(s.length for s in fits) == 10
+
+
+def test_drawings_draw_what_they_are_given():
+    alloc = ss.ContiguousAllocator(10)
+    alloc.allocate(3)
+    fig = vf.draw_strip(vf.allocator_segments(alloc, {0: ("A", 3, 1)}, 8), 10, "toy",
+                        block_size=2)
+    ax = fig.axes[0]
+    patches = [p for p in ax.patches if p.get_width() > 0]
+    assert sorted(p.get_width() for p in patches) == [1, 2, 7]   # states, reserved, hole
+    assert ax.get_title() == "toy" and ax.get_xlim() == (0, 10)
+    with pytest.raises(ValueError, match="segments cover"):
+        vf.draw_strip([vf.Segment(0, 11, "free")], 10)
+
+    trace = sharegpt_like(40, seed=1)
+    tls = [ss.simulate_static(trace, 4096, "max"), ss.simulate_paged(trace, 256, 16)]
+    area = vf.draw_breakdown_area(tls[0])
+    stacks = area.axes[0].collections
+    assert len(stacks) == 5
+    bars = vf.draw_breakdown_bars(tls, paper_token_states={"Orca-Max": 20.4})
+    labels = [t.get_text() for t in bars.axes[0].get_yticklabels()]
+    assert labels == ["Orca-Max", "paged (vLLM)"]
+    widths = [p.get_width() for p in bars.axes[0].patches]
+    assert sum(widths) == pytest.approx(200.0)                      # two bars of 100%
+    sizes = vf.draw_batch_sizes(tls)
+    lines = sizes.axes[0].get_lines()
+    assert [len(line.get_ydata()) for line in lines] == [len(t.batch_size) for t in tls]
+    assert np.array_equal(lines[1].get_ydata(), tls[1].batch_size)
+    assert all(isinstance(f, Figure) for f in (fig, area, bars, sizes))
+
+
+def test_paged_segments_follow_the_block_tables():
+    from course_lib.memory import BlockManager
+
+    bm = BlockManager(4, 6, watermark=0.0)
+    bm.allocate(0, [1] * 6)            # 2 blocks: 4 + 2 filled
+    bm.allocate(1, [2] * 3)            # 1 block: 3 filled
+    segs = vf.paged_segments(bm, {0: "A", 1: "B"})
+    assert sum(s.length for s in segs) == 24
+    filled = sum(s.length for s in segs if s.category == "token_states")
+    empty = sum(s.length for s in segs if s.category == "internal")
+    assert (filled, empty) == (9, 3)
+    assert sorted(s.label for s in segs if s.label) == ["A", "B"]   # once per sequence
+    assert sum(s.length for s in segs if s.category == "free") == 12
