@@ -1,5 +1,175 @@
 """Kernels of the course: a torch reference (the spec) and Triton kernels checked against it.
 
-Each kernel module imports :mod:`course_lib.device` before ``triton``, so that on a machine
-without CUDA Triton's interpreter is switched on in time. Submodules load on demand.
+Modules (each imports :mod:`course_lib.device` before ``triton``, so that on a machine without
+CUDA Triton's interpreter is switched on in time; they load on demand):
+
+* ``reference``      torch specs: ``paged_attention_ref``, ``gather_kv``, cache-op references
+* ``paged_decode``   split-K decode kernel + log-sum-exp reduce kernel
+* ``paged_prefill``  packed-query causal kernel (prefill, chunked prefill, mixed batches)
+* ``cache_ops``      ``reshape_and_cache``, ``copy_blocks`` (CoW), ``swap_blocks``
+* ``tiles``          the tile heuristics (interpreter-aware, no autotune)
+* ``aot``            compiles every GPU variant for Hopper (sm_90) without a GPU
+* ``batch``          random paged batches (permuted block tables, NaN in unused slots)
+* ``timing``         timers, bytes read, peak bandwidth, stored GPU results
+* ``walkthrough``    chapter 04's three loops: the seed's (wrong), two-pass, online softmax
+* ``smoke``          the vector-add kernel of chapter 00
+
+:func:`paged_attention` is the entry point: it validates its input and picks an implementation
+(:func:`choose_impl`): compiled Triton on CUDA, interpreted Triton on CPU for small problems,
+the torch reference for CPU problems too big for the interpreter.
+
+This package module itself imports neither ``course_lib.device`` nor ``triton`` at import time,
+so that ``python -m course_lib.kernels.aot`` can put Triton in JIT mode first.
 """
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+TRITON = "triton"
+REFERENCE = "reference"
+# The interpreter runs ~one numpy call per tl operation; past this many (token x KV head) reads,
+# a CPU problem goes to the torch reference instead (a few seconds of interpretation).
+INTERPRETER_MAX_KV_READS = 1 << 16
+
+
+def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor | None, values: bool = True) -> None:
+    """Raise ``ValueError`` naming the bad input. ``values=False`` checks shapes only (no sync)."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got "
+                         f"{tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
+                         f"num_kv_heads, head_dim], got {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    if query.shape[2] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query heads x head_dim {tuple(query.shape[1:])} must be a multiple "
+                         f"of the cache's ({num_kv_heads}, {head_dim}) (GQA)")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise ValueError(f"query, key_cache, value_cache dtypes differ: {query.dtype}, "
+                         f"{key_cache.dtype}, {value_cache.dtype}")
+    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
+        raise ValueError("block_tables must be an int32/int64 [num_seqs, max_blocks] tensor")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    if query_start_loc is None:
+        if query.shape[0] != num_seqs:
+            raise ValueError(f"decode (query_start_loc=None) needs one query per sequence: "
+                             f"{num_seqs} sequences, {query.shape[0]} query rows")
+    elif query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got "
+                         f"{tuple(query_start_loc.shape)}")
+    if not values:
+        return
+    lens = seq_lens.tolist()
+    if query_start_loc is None:
+        q_lens = [1] * num_seqs
+    else:
+        starts = query_start_loc.tolist()
+        if starts[0] != 0 or starts[-1] != query.shape[0]:
+            raise ValueError(f"query_start_loc must run from 0 to {query.shape[0]} "
+                             f"(num_tokens), got {starts}")
+        q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    capacity = block_tables.shape[1] * block_size
+    for s, (n, q) in enumerate(zip(lens, q_lens, strict=True)):
+        if not 1 <= q <= n <= capacity:
+            raise ValueError(f"sequence {s}: need 1 <= query_len <= seq_len <= {capacity} "
+                             f"(max_blocks x block_size), got query_len {q}, seq_len {n}")
+        used = block_tables[s, :-(-n // block_size)]
+        if int(used.min()) < 0 or int(used.max()) >= num_blocks:
+            raise ValueError(f"sequence {s}: block table entries must be in 0..{num_blocks - 1},"
+                             f" got {used.tolist()}")
+
+
+def interpreter_incompatibility() -> str | None:
+    """Why Triton's interpreter cannot run the attention kernels here, or None (also None when
+    kernels are compiled, not interpreted). Known case: Triton < 3.7 turns a loop bound into a
+    Python int with ``int(array)``, which NumPy >= 2.4 refuses for a 1-element array."""
+    from course_lib.device import BACKEND
+
+    if not BACKEND.interpreted or BACKEND.triton_version is None:
+        return None
+    import numpy
+
+    def major_minor(version: str) -> tuple[int, ...]:
+        return tuple(int(re.match(r"\d+", part).group()) for part in version.split(".")[:2])
+
+    if major_minor(BACKEND.triton_version) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (f"Triton {BACKEND.triton_version}'s interpreter cannot run kernels with dynamic "
+                f"loop bounds under NumPy {numpy.__version__} (int() of a 1-element array): use "
+                "Triton >= 3.7 or NumPy < 2.4")
+    return None
+
+
+def choose_impl(query: torch.Tensor, key_cache: torch.Tensor, seq_lens: torch.Tensor) -> str:
+    """``"triton"`` (compiled on CUDA, interpreted on CPU if small enough) or ``"reference"``
+    (no Triton, a CPU problem too big for the interpreter, or tensors not on the backend's
+    device). Never syncs with a GPU."""
+    from course_lib.device import BACKEND  # imported here: see course_lib.kernels.aot
+
+    if not BACKEND.uses_triton or query.device.type != BACKEND.device:
+        return REFERENCE
+    if not BACKEND.interpreted:
+        return TRITON
+    if interpreter_incompatibility():
+        return REFERENCE
+    reads = int(seq_lens.sum()) * key_cache.shape[2]
+    return TRITON if reads <= INTERPRETER_MAX_KV_READS else REFERENCE
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor | None = None, scale: float | None = None,
+                    *, impl: str = "auto", max_query_len: int | None = None,
+                    max_seq_len: int | None = None, validate: bool = True) -> torch.Tensor:
+    """Attention of the packed new tokens over each sequence's paged K/V (see ``reference``).
+
+    query ``[num_tokens, num_heads, head_dim]``; caches ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``; ``block_tables [num_seqs, max_blocks]``; ``seq_lens [num_seqs]``
+    (all tokens, new ones included, already cached); ``query_start_loc [num_seqs + 1]`` or
+    ``None`` for decode (one query per sequence). ``scale`` defaults to ``head_dim ** -0.5``.
+    ``impl``: ``"auto"`` (:func:`choose_impl`), ``"triton"`` or ``"reference"``. Pass
+    ``max_query_len`` / ``max_seq_len`` and ``validate=False`` to avoid host syncs on a GPU.
+    Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                 values=validate)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if impl == "auto":
+        impl = choose_impl(query, key_cache, seq_lens)
+    if impl == REFERENCE:
+        from course_lib.kernels.reference import paged_attention_ref
+
+        return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
+                                   query_start_loc, scale)
+    if impl != TRITON:
+        raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
+    from course_lib.device import BACKEND
+
+    if not BACKEND.uses_triton:
+        raise ValueError("impl='triton' needs Triton, which is not installed here")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if max_query_len is None:
+        max_query_len = (1 if query_start_loc is None
+                         else int((query_start_loc[1:] - query_start_loc[:-1]).max()))
+    if max_query_len == 1 and query.shape[0] == block_tables.shape[0]:
+        from course_lib.kernels.paged_decode import paged_decode
+
+        return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                            max_seq_len)
+    from course_lib.kernels.paged_prefill import paged_prefill
+
+    if query_start_loc is None:
+        query_start_loc = torch.arange(block_tables.shape[0] + 1, dtype=torch.int32,
+                                       device=query.device)
+    return paged_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                         scale, max_query_len, max_seq_len)

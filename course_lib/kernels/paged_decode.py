@@ -1,0 +1,168 @@
+"""Paged decode attention in Triton: split-K ("flash-decoding") plus a log-sum-exp reduce.
+
+Decode has one new query token per sequence, so the work per sequence is a long, thin
+dot product over its whole context. One program per (sequence, KV head) would leave most of a
+GPU idle for small batches, so the context is cut into ``num_splits`` ranges:
+
+1. ``_paged_decode_kernel`` — grid ``(num_seqs, num_kv_heads, num_splits)``. A program loads the
+   query rows of every query head that shares its KV head (GQA: they form the M dimension of one
+   ``tl.dot``), walks its range of the context ``TILE_N`` tokens at a time, looks up each
+   token's physical block in the block table, and keeps an online softmax (running max ``m``,
+   running sum ``l``, accumulator ``acc``). It writes its normalised partial output and its
+   log-sum-exp ``lse = m + log2(l)`` (base 2: the kernel uses ``exp2``).
+2. ``_lse_reduce_kernel`` — grid ``(num_seqs, num_heads)``: weights each split's partial output
+   by ``2^(lse_split - lse_max)``, normalised, and stores the result in the query's dtype.
+
+Every stride is a kernel argument (no layout is assumed), page numbers are cast to int64 before
+they multiply a stride (a 2^31-byte cache is small), and the K/V loads themselves are masked, so
+slots past ``seq_len`` and blocks the table does not reach are never read: they may hold NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib.device import BACKEND
+from course_lib.kernels.tiles import DecodeTiles, decode_tiles, dot_precision
+
+if BACKEND.uses_triton:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_decode_kernel(
+        out_ptr, lse_ptr,                     # [num_seqs, num_heads, num_splits, HEAD_PAD] f32
+        q_ptr, k_cache_ptr, v_cache_ptr,      # q [num_seqs, num_heads, head_dim]
+        block_tables_ptr, seq_lens_ptr,       # [num_seqs, max_blocks], [num_seqs]
+        qk_scale,                             # softmax scale * log2(e)
+        stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        stride_bts, stride_btb,
+        stride_os, stride_oh, stride_osp,     # out: last dim contiguous
+        stride_ls, stride_lh,                 # lse: last dim contiguous
+        head_dim, group, block_size, tokens_per_split,
+        TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
+
+        g = tl.arange(0, GROUP_PAD)           # query head within the group
+        d = tl.arange(0, HEAD_PAD)
+        head = kv_head * group + g
+        g_mask = g < group
+        d_mask = d < head_dim
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + head[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+        for tile_start in range(start, end, TILE_N):
+            pos = tile_start + tl.arange(0, TILE_N)               # token positions [TILE_N]
+            valid = pos < end
+            page = tl.load(table + (pos // block_size) * stride_btb, mask=valid, other=0)
+            page = page.to(tl.int64)                              # before any stride product
+            slot = (pos % block_size).to(tl.int64)
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                        + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                        + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))        # [GROUP_PAD, TILE_N]
+            m_new = tl.maximum(m_i, tl.max(s, 1))                 # finite: a tile has a token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        has = l_i > 0                                             # False: split past seq_len
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_base = seq.to(tl.int64) * stride_os + split * stride_osp
+        tl.store(out_ptr + o_base + head[:, None] * stride_oh + d[None, :], out,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(lse_ptr + seq.to(tl.int64) * stride_ls + head * stride_lh + split, lse,
+                 mask=g_mask)
+
+    @triton.jit
+    def _lse_reduce_kernel(
+        out_ptr, part_ptr, lse_ptr,
+        stride_ot, stride_oh, stride_od,
+        stride_ps, stride_ph, stride_psp,
+        stride_ls, stride_lh,
+        head_dim, num_splits,
+        SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
+    ):
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, HEAD_PAD)
+        sp_mask = sp < num_splits
+        d_mask = d < head_dim
+        lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + sp, mask=sp_mask,
+                      other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))                         # empty splits weigh 0
+        w = w / tl.sum(w, 0)
+        part = tl.load(part_ptr + seq * stride_ps + head * stride_ph + sp[:, None] * stride_psp
+                       + d[None, :], mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+        out = tl.sum(part * w[:, None], 0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+LOG2_E = 1.4426950408889634
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 max_seq_len: int, tiles: DecodeTiles | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention with the Triton kernels; no validation (see ``kernels.paged_attention``).
+
+    ``query [num_seqs, num_heads, head_dim]`` (one token per sequence). ``max_seq_len`` is a
+    host-side upper bound of ``seq_lens`` (passed in to avoid a device sync). Returns
+    ``[num_seqs, num_heads, head_dim]`` in ``query.dtype``.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if tiles is None:
+        num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
+                   if query.is_cuda else 1)
+        tiles = decode_tiles(head_dim=head_dim, group=group, max_seq_len=max_seq_len,
+                             num_seqs=num_seqs, num_kv_heads=num_kv_heads,
+                             interpreted=BACKEND.interpreted or not query.is_cuda,
+                             num_sms=num_sms)
+    if out is None:
+        out = torch.empty_like(query)
+    part = torch.empty(num_seqs, num_heads, tiles.num_splits, tiles.head_pad,
+                       dtype=torch.float32, device=query.device)
+    lse = torch.empty(num_seqs, num_heads, tiles.num_splits, dtype=torch.float32,
+                      device=query.device)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, tiles.num_splits)](
+        part, lse, query, key_cache, value_cache, block_tables, seq_lens, scale * LOG2_E,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+        *part.stride()[:3], *lse.stride()[:2],
+        head_dim, group, key_cache.shape[1], tiles.tokens_per_split,
+        TILE_N=tiles.tile_n, HEAD_PAD=tiles.head_pad, GROUP_PAD=tiles.group_pad,
+        UPCAST=tiles.upcast, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _lse_reduce_kernel[(num_seqs, num_heads)](
+        out, part, lse, *out.stride(), *part.stride()[:3], *lse.stride()[:2],
+        head_dim, tiles.num_splits, SPLITS_PAD=tiles.splits_pad, HEAD_PAD=tiles.head_pad,
+        num_warps=4)
+    return out

@@ -1,0 +1,107 @@
+"""Tile sizes for the paged-attention kernels, chosen by a small Python heuristic.
+
+Why not ``triton.autotune``: its multi-config search crashes Triton's interpreter, and on a GPU
+it would hide from a learner which tile actually ran. The rules here are few and printable:
+
+* **GPU**: tiles of 64 KV tokens (``TILE_N``) keep a warp group busy and the loads wide;
+  query heads that share a KV head are packed into the rows of one ``tl.dot`` (GQA), padded to
+  16 rows (``tl.dot`` needs M >= 16 on NVIDIA GPUs). Decode splits each sequence's context over
+  several programs (split-K, "flash-decoding") until the grid has about four programs per SM.
+* **Interpreter** (``TRITON_INTERPRET=1``, CPU): every ``tl`` operation is a numpy call, so the
+  cost is the number of operations, not their size: one big tile of up to 128 tokens and no
+  split. Loads are upcast to float32 (``UPCAST``) because the interpreter's bf16 dot products
+  are wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (``n >= 1``); Triton's ``tl.arange`` needs powers of two."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``ieee`` for float32 inputs: the GPU default (tf32) would lose ~3 decimal digits."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Launch configuration of the split-K decode kernel."""
+
+    tile_n: int            # KV tokens per loop iteration
+    head_pad: int          # head_dim rounded up to a power of two
+    group_pad: int         # query heads per KV head, padded (rows of the dot)
+    num_splits: int        # programs per (sequence, KV head) along the context
+    tokens_per_split: int  # multiple of tile_n
+    upcast: bool           # load in float32 (interpreter)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def splits_pad(self) -> int:
+        return next_power_of_2(self.num_splits)
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """Launch configuration of the prefill (packed queries, causal) kernel."""
+
+    block_m: int           # rows per program = query tokens x padded query heads
+    group_pad: int         # padded query heads per KV head
+    tile_n: int            # KV tokens per loop iteration
+    head_pad: int
+    upcast: bool
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def block_q(self) -> int:
+        """Query tokens per program."""
+        return self.block_m // self.group_pad
+
+
+def decode_tiles(*, head_dim: int, group: int, max_seq_len: int, num_seqs: int,
+                 num_kv_heads: int, interpreted: bool, num_sms: int = 132) -> DecodeTiles:
+    """Tiles for decode. ``group`` = num_heads // num_kv_heads; ``num_sms`` of the GPU."""
+    head_pad = next_power_of_2(head_dim)
+    if interpreted:
+        tile_n = min(128, next_power_of_2(max_seq_len))
+        return DecodeTiles(tile_n, head_pad, next_power_of_2(group), 1,
+                           cdiv(max_seq_len, tile_n) * tile_n, upcast=True)
+    head_pad = max(16, head_pad)  # tl.dot needs K >= 16 on a GPU
+    tile_n = 64 if head_pad <= 128 else 32
+    group_pad = max(16, next_power_of_2(group))
+    tiles_per_seq = cdiv(max_seq_len, tile_n)
+    programs = num_seqs * num_kv_heads
+    # Enough programs for ~4 per SM, but each split keeps >= 4 tiles of work, and <= 32 splits.
+    num_splits = max(1, min(32, cdiv(4 * num_sms, programs), tiles_per_seq // 4))
+    tokens_per_split = cdiv(tiles_per_seq, num_splits) * tile_n
+    num_splits = cdiv(max_seq_len, tokens_per_split)
+    return DecodeTiles(tile_n, head_pad, group_pad, num_splits, tokens_per_split, upcast=False,
+                       num_warps=4, num_stages=3)
+
+
+def prefill_tiles(*, head_dim: int, group: int, max_query_len: int, max_seq_len: int,
+                  interpreted: bool) -> PrefillTiles:
+    """Tiles for prefill: ``block_m`` rows hold ``block_q`` query tokens x all their heads."""
+    head_pad = next_power_of_2(head_dim)
+    group_pad = next_power_of_2(group)
+    if interpreted:
+        block_m = max(group_pad, min(128, group_pad * next_power_of_2(max_query_len)))
+        tile_n = min(128, next_power_of_2(max_seq_len))
+        return PrefillTiles(block_m, group_pad, tile_n, head_pad, upcast=True)
+    head_pad = max(16, head_pad)  # tl.dot needs K >= 16 on a GPU
+    block_m = max(64, group_pad) if head_pad <= 128 else max(32, group_pad)
+    tile_n = 64 if head_pad <= 64 else 32
+    return PrefillTiles(block_m, group_pad, tile_n, head_pad, upcast=False, num_warps=4,
+                        num_stages=2)
