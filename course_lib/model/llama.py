@@ -1,0 +1,223 @@
+"""A tiny Llama-style decoder whose attention reads and writes the paged KV cache.
+
+Architecture (Llama's): token embedding -> ``num_layers`` x [RMSNorm -> attention with RoPE and
+grouped-query heads -> residual; RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head.
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
+...), so the same weights load into an independent implementation for cross-checking.
+
+Two forward paths share every weight and every op except where K/V live:
+
+* :meth:`TinyLlama.forward` — the serving path. Input is the packed new tokens of several
+  sequences (``input_ids [num_tokens]``, ``positions [num_tokens]``) plus
+  :class:`~course_lib.model.attention.AttentionMetadata` and one ``(key_cache, value_cache)``
+  pair per layer. Each layer writes its new K/V into the paged cache and attends through the
+  block tables (:func:`~course_lib.model.attention.paged_attention_layer`). Prefill, chunked
+  prefill and decode are the same call.
+* :meth:`TinyLlama.forward_contiguous` — the reference and training path: a rectangular batch
+  ``[B, T]`` with a dense causal mask, optionally continuing a plain contiguous per-sequence
+  cache (``past``), the way a textbook decoder does it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.model.attention import AttentionMetadata, paged_attention_layer
+from course_lib.model.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), one pair per layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [*positions.shape, head_dim]`` of rotary embedding (Llama's half-split layout:
+    dimension ``i`` and ``i + head_dim/2`` form one rotated pair)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq              # [..., head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)                      # [..., head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., heads, head_dim]``; ``cos, sin [..., head_dim]`` (broadcast over heads)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.scale = cfg.head_dim ** -0.5
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x [..., hidden]`` -> q ``[..., H, d]``, k, v ``[..., H_kv, d]`` (q, k rotated)."""
+        c = self.cfg
+        q = self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim))
+        k = self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, impl: str = "auto") -> torch.Tensor:
+        """Paged: ``x [num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
+        q, k, v = self._qkv(x, cos, sin)
+        out = paged_attention_layer(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, impl)
+        return self.o_proj(out.flatten(-2))
+
+    def forward_contiguous(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           past: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """Dense: ``x [B, T, hidden]``; ``past`` = K, V ``[B, S, H_kv, d]`` of earlier tokens.
+        Returns ``[B, T, hidden]`` and the grown cache ``[B, S + T, H_kv, d]``."""
+        q, k, v = self._qkv(x, cos, sin)                          # [B, T, heads, d]
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        g = self.cfg.gqa_ratio
+        qh = q.transpose(1, 2)                                    # [B, H, T, d]
+        kh = k.repeat_interleave(g, dim=2).transpose(1, 2)        # [B, H, S+T, d]
+        vh = v.repeat_interleave(g, dim=2).transpose(1, 2)
+        t, s = q.shape[1], k.shape[1]
+        if s == t:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        else:  # query i sits at position s - t + i and sees keys 0 .. s - t + i
+            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).flatten(-2)), (k, v)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+
+class TinyLlama(nn.Module):
+    """The course's model. See the module docstring for the two forward paths."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 style init: N(0, 0.02), residual outputs scaled by 1/sqrt(2 * num_layers)."""
+        gen = torch.Generator().manual_seed(seed)
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+                continue
+            s = std / (2 * self.config.num_layers) ** 0.5 if name.endswith(
+                ("o_proj.weight", "down_proj.weight")) else std
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+
+    def _check_ids(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        if input_ids.numel() and not (0 <= int(input_ids.min())
+                                      and int(input_ids.max()) < self.config.vocab_size):
+            raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}, got "
+                             f"{int(input_ids.min())}..{int(input_ids.max())}")
+        if positions.numel() and int(positions.max()) >= self.config.max_position:
+            raise ValueError(f"position {int(positions.max())} is past the model's context "
+                             f"(valid: 0..{self.config.max_position - 1})")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
+                impl: str = "auto") -> torch.Tensor:
+        """Paged forward of packed tokens: ``input_ids, positions [num_tokens]`` -> logits
+        ``[num_tokens, vocab_size]`` (float32). Writes the new K/V into ``kv_caches`` (one
+        ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size,
+        num_kv_heads, head_dim]``) at ``attn_metadata.slot_mapping``."""
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"need one (key_cache, value_cache) per layer: "
+                             f"{self.config.num_layers}, got {len(kv_caches)}")
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids and positions must both be [num_tokens], got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        self._check_ids(input_ids, positions)
+        c = self.config
+        h = self.model.embed_tokens(input_ids)                      # [N, hidden]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, attn_metadata, impl)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.model.norm(h)).float()
+
+    def forward_contiguous(self, input_ids: torch.Tensor, past: list[KVCache] | None = None
+                           ) -> tuple[torch.Tensor, list[KVCache]]:
+        """Dense forward of ``input_ids [B, T]`` after ``past`` (per layer K, V ``[B, S, H_kv,
+        d]``, or ``None``): logits ``[B, T, vocab_size]`` (float32) and the grown cache."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+        c = self.config
+        start = 0 if past is None else past[0][0].shape[1]
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        self._check_ids(input_ids, positions)
+        h = self.model.embed_tokens(input_ids)                      # [B, T, hidden]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)  # [T, d]
+        new_past = []
+        for i, layer in enumerate(self.model.layers):
+            a, kv = layer.self_attn.forward_contiguous(
+                layer.input_layernorm(h), cos, sin, None if past is None else past[i])
+            new_past.append(kv)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.model.norm(h)).float(), new_past
+
+
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
+                       dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> list[KVCache]:
+    """One zeroed ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` (vLLM's layout)."""
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
+                         f"{block_size}")
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
