@@ -1,0 +1,226 @@
+"""Start ``world_size`` real processes joined by ``torch.distributed``, run one function, collect.
+
+:func:`launch` is a tiny torchrun for a notebook or a test: it spawns the ranks with the
+``spawn`` start method (fresh interpreters: safe with threads, CUDA and Jupyter), joins them in
+one process group over TCP on 127.0.0.1 (a free port), runs ``worker(rank, world_size, *args)``
+in each and returns the ranks' results in rank order.
+
+* backend: ``gloo`` on CPU; ``nccl`` when CUDA has a GPU per rank (rank r uses ``cuda:r``).
+* Nothing hangs: collectives time out after ``timeout_s`` (``init_process_group(timeout=)``)
+  and the parent waits at most ``timeout_s`` in all. A rank that raises (or dies) makes the
+  parent stop the others and raise :class:`RankFailedError` with that rank's traceback.
+* ``worker`` must be importable by name (a module-level function of a module, not of a
+  notebook cell): spawned interpreters re-import it. Results travel back as ``torch.save``
+  bytes, so tensors, lists, dicts and numbers are fine.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+MAX_CPU_WORLD_SIZE = 8   # gloo ranks on one CPU machine: more only thrash the cores
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised, died, or did not finish in time; the message names it and why."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_backend(world_size: int) -> str:
+    """``"nccl"`` if CUDA has at least ``world_size`` GPUs, else ``"gloo"``."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"
+
+
+def check_world_size(world_size: int, backend: str) -> None:
+    """Raise ValueError (before any process starts) unless ``world_size`` ranks can run."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        import torch
+
+        limit = torch.cuda.device_count()
+        where = f"this machine has {limit} CUDA GPU(s), nccl needs one per rank"
+    else:
+        limit, where = MAX_CPU_WORLD_SIZE, "gloo ranks on one CPU machine"
+    if isinstance(world_size, bool) or not isinstance(world_size, int) \
+            or not 1 <= world_size <= limit:
+        raise ValueError(f"world_size must be an integer in [1, {limit}] ({where}), "
+                         f"got {world_size!r}")
+
+
+def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
+           worker: Callable[..., Any], args: tuple, results: Any) -> None:
+    """Body of one spawned rank: join the group, run the worker, report, leave.
+
+    A failure is reported (with the time it happened) *before* the rank leaves the group, so
+    the root cause is stamped earlier than the errors it then causes on its peers.
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # gloo: stay on the loopback interface
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        value = worker(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put((rank, "ok", buf.getvalue(), time.time()))
+    except BaseException as exc:  # report every failure; the parent decides what to raise
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
+                     time.time()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _earliest_error(results: Any, rank: int, payload: str, stamp: float,
+                    grace_s: float = 1.0) -> tuple[int, str]:
+    """The first failure in time among those reported within ``grace_s``: a rank that raises
+    makes its peers fail too (connection reset), and the queue may deliver theirs first."""
+    first = (stamp, rank, payload)
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            r, status, p, t = results.get(timeout=max(0.01, end - time.monotonic()))
+        except queue.Empty:
+            break
+        if status == "error" and t < first[0]:
+            first = (t, r, p)
+    return first[1], first[2]
+
+
+def launch(worker: Callable[..., Any], world_size: int, args: tuple = (), *,
+           backend: str = "auto", timeout_s: float = 60.0) -> list[Any]:
+    """Run ``worker(rank, world_size, *args)`` on ``world_size`` processes; results by rank.
+
+    Raises ValueError for an impossible ``world_size`` / ``backend`` before starting anything;
+    :class:`RankFailedError` if a rank raises, exits without a result, or the whole run takes
+    longer than ``timeout_s`` seconds (the survivors are terminated first).
+    """
+    if backend == "auto":
+        backend = pick_backend(world_size) if isinstance(world_size, int) else "gloo"
+    check_world_size(world_size, backend)
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if getattr(worker, "__module__", "__main__") == "__main__" or "<locals>" in getattr(
+            worker, "__qualname__", "<locals>"):
+        raise ValueError(f"worker {worker!r} must be a module-level function of an importable "
+                         "module (spawned ranks re-import it), not one defined in __main__ or "
+                         "a notebook cell")
+    for attempt in range(2):
+        try:
+            return _launch_once(worker, world_size, args, backend, timeout_s)
+        except RankFailedError as exc:   # the free port was taken before rank 0 bound it
+            if attempt or "address already in use" not in str(exc).lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
+                 timeout_s: float) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, name=f"cp-rank-{r}", daemon=True,
+                         args=(r, world_size, port, backend, timeout_s, worker, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    done: dict[int, Any] = {}
+    try:
+        while len(done) < world_size:
+            try:
+                rank, status, payload, stamp = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in done and p.exitcode is not None]
+                if dead:
+                    # a rank that exited may still have a result in flight: look once more
+                    try:
+                        rank, status, payload, stamp = results.get(timeout=1.0)
+                    except queue.Empty:
+                        raise RankFailedError(
+                            f"rank {dead[0]} of {world_size} exited with code "
+                            f"{procs[dead[0]].exitcode} without a result") from None
+                elif time.monotonic() > deadline:
+                    waiting = [r for r in range(world_size) if r not in done]
+                    raise RankFailedError(
+                        f"ranks {waiting} of {world_size} did not finish within {timeout_s} s "
+                        f"(backend {backend}); a peer may be stuck in a collective") from None
+                else:
+                    continue
+            if status == "error":
+                rank, payload = _earliest_error(results, rank, payload, stamp)
+                dead = [f"rank {r} had exited with code {p.exitcode}" for r, p in
+                        enumerate(procs) if r != rank and p.exitcode not in (None, 0)]
+                note = f" ({'; '.join(dead)})" if dead else ""
+                raise RankFailedError(f"rank {rank} of {world_size} failed{note}: {payload}")
+            import torch
+
+            done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            if p.is_alive() and len(done) < world_size:
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [done[r] for r in range(world_size)]
+
+
+# ---------------------------------------------------------------- small workers to launch
+
+def rank_sum_worker(rank: int, world_size: int) -> dict:
+    """All-reduce each rank's id: every rank gets 0 + 1 + ... + (world_size - 1)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank)])
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return {"rank": rank, "backend": dist.get_backend(), "sum": int(t.item())}
+
+
+def failing_worker(rank: int, world_size: int, bad_rank: int, how: str = "raise") -> int:
+    """Rank ``bad_rank`` fails (``how``: "raise", "exit" = dies without a word, "hang" =
+    sleeps); the others wait for it in an all-reduce. Shows that :func:`launch` never hangs."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == bad_rank:
+        if how == "raise":
+            raise RuntimeError(f"rank {rank} was told to fail")
+        if how == "exit":
+            os._exit(3)
+        time.sleep(3600)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())

@@ -1,0 +1,251 @@
+"""Which parallelism for long contexts: seed 000 §7's comparison and §10's decision tree.
+
+* :data:`STRATEGIES` -- DP, DP attention and context parallelism side by side (what each splits,
+  what a rank's KV cache holds, the single-request limit, throughput, communication per layer).
+* :func:`plan` -- one deployment (model, GPU memory, TP, CP) in numbers: blocks and tokens per
+  GPU, tokens in the whole deployment, the longest single request, decode traffic per step.
+  All arithmetic is :mod:`course_lib.capacity`'s; this module only composes it.
+* :data:`DECISION_TREE` and :func:`recommend` -- the seed's tree as data, walked for a model
+  and a target context length.
+
+Simplification, stated: a deployment is ``num_gpus = DP x TP x CP`` GPUs (DP: independent
+groups serving different requests). Weights per GPU are the weights / TP for a dense model
+(every TP group keeps a full copy) and / num_gpus for an MLA (DeepSeek MoE) model, whose
+experts expert parallelism spreads over every GPU; pass ``weight_gib`` to override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from course_lib import capacity as cap
+from course_lib.capacity import GiB
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One column of seed 000 §7's table, in our words."""
+
+    name: str
+    splits: str
+    kv_per_rank: str
+    single_request_limit: str
+    throughput: str
+    comm_per_layer: str
+
+
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy("DP", "requests: whole model replicas", "each replica caches its own requests",
+             "unchanged", "x replicas", "none"),
+    Strategy("DP attention", "attention by request (MoE layers by expert)",
+             "each rank caches the requests it serves", "unchanged", "x ranks",
+             "2 all-to-all (MoE dispatch + combine)"),
+    Strategy("CP", "one request's tokens", "each rank caches a slice of every long request",
+             "x CP size", "not directly", "2 collectives in attention (Q out, partials back)"),
+)
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """One deployment in numbers (per GPU unless named otherwise)."""
+
+    model: cap.ModelSpec
+    gpu_memory_gib: float
+    tensor_parallel_size: int
+    context_parallel_size: int
+    gpu_memory_utilization: float
+    block_size: int
+    num_gpus: int
+    weight_bytes_per_gpu: int
+    available_kv_bytes: int
+    block_bytes: int
+    num_gpu_blocks: int
+    comm: cap.DecodeCommBytes          # one layer, at the longest single request
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.num_gpus // (self.tensor_parallel_size * self.context_parallel_size)
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the whole deployment caches (TP ranks of a group hold the same tokens)."""
+        return self.tokens_per_gpu * (self.num_gpus // self.tensor_parallel_size)
+
+    @property
+    def tokens_per_gpu(self) -> int:
+        return cap.tokens_that_fit(self.num_gpu_blocks, self.block_size)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest single request: each CP rank holds a slice (TP ranks hold the same tokens)."""
+        return cap.context_parallel_capacity(self.num_gpu_blocks, self.block_size,
+                                             self.context_parallel_size)
+
+    @property
+    def query_bytes_per_step(self) -> int:
+        """Move Q, all layers: the query out to the CP ranks and partial results back."""
+        if self.context_parallel_size == 1:
+            return 0
+        return self.model.num_layers * (self.comm.query_bytes + self.comm.partial_output_bytes)
+
+    @property
+    def move_kv_bytes_per_step(self) -> int:
+        """The alternative, all layers: ship the remote tokens' KV to the query's rank."""
+        return self.model.num_layers * self.comm.move_kv_bytes
+
+    def summary(self) -> str:
+        m = self.model
+        lines = [
+            f"{m.name} ({m.attention_type}) on {self.num_gpus} x {self.gpu_memory_gib:g} GiB, "
+            f"DP={self.data_parallel_size}, TP={self.tensor_parallel_size}, "
+            f"CP={self.context_parallel_size}, "
+            f"gpu_memory_utilization={self.gpu_memory_utilization}",
+            f"per GPU: weights {cap.format_bytes(self.weight_bytes_per_gpu)}, KV budget "
+            f"{cap.format_bytes(self.available_kv_bytes)}, block "
+            f"{cap.format_bytes(self.block_bytes)} -> {self.num_gpu_blocks:,} blocks = "
+            f"{self.tokens_per_gpu:,} tokens; all GPUs: {self.total_tokens:,} tokens",
+            f"longest single request: {self.tokens_per_gpu:,} x {self.context_parallel_size} "
+            f"= {self.max_request_tokens:,} tokens",
+        ]
+        if self.context_parallel_size > 1:
+            lines.append(f"decode step, all {m.num_layers} layers: move Q "
+                         f"{cap.format_bytes(self.query_bytes_per_step)} vs move KV "
+                         f"{cap.format_bytes(self.move_kv_bytes_per_step)}")
+        return "\n".join(lines)
+
+
+def weight_bytes_per_gpu(spec: cap.ModelSpec, tp: int, num_gpus: int) -> int:
+    """The module's stated simplification (see the docstring)."""
+    return round(spec.weight_bytes / (num_gpus if spec.is_mla else tp))
+
+
+def plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int = 1,
+         context_parallel_size: int = 1, *, gpu_memory_utilization: float = 0.9,
+         block_size: int = 16, num_gpus: int | None = None, weight_gib: float | None = None,
+         overhead_gib: float = 0.0, num_gpu_blocks: int | None = None) -> DeploymentPlan:
+    """Size one deployment of ``num_gpus`` (default TP x CP; a multiple of it) GPUs.
+
+    ``num_gpu_blocks`` skips the memory arithmetic and takes the pool size as measured
+    (vLLM's metric), as seed 000 §9 does. ValueError (from capacity) when the weights do not
+    fit or a size is invalid."""
+    tp, cp = tensor_parallel_size, context_parallel_size
+    cap._check_int("context_parallel_size", cp, 1)
+    blk = cap.block_bytes(spec, block_size, tp)              # validates block_size and TP
+    num_gpus = tp * cp if num_gpus is None else num_gpus
+    cap._check_int("num_gpus", num_gpus, 1)
+    if num_gpus % (tp * cp):
+        raise ValueError(f"num_gpus={num_gpus} must be a multiple of TP x CP = {tp * cp}")
+    weights = (weight_bytes_per_gpu(spec, tp, num_gpus) if weight_gib is None
+               else round(weight_gib * GiB))
+    if num_gpu_blocks is None:
+        avail = cap.available_kv_bytes(round(gpu_memory_gib * GiB), gpu_memory_utilization,
+                                       weights, overhead_bytes=round(overhead_gib * GiB))
+        num_gpu_blocks = cap.num_gpu_blocks(avail, blk)
+    else:
+        cap._check_int("num_gpu_blocks", num_gpu_blocks, 0)
+        avail = num_gpu_blocks * blk
+    longest = cap.context_parallel_capacity(num_gpu_blocks, block_size, cp)
+    return DeploymentPlan(spec, gpu_memory_gib, tp, cp, gpu_memory_utilization, block_size,
+                          num_gpus, weights, avail, blk, num_gpu_blocks,
+                          cap.decode_comm_bytes(spec, longest, cp))
+
+
+def seed_case() -> DeploymentPlan:
+    """Seed 000 §9: DeepSeek-V3 on 8 x H100 80G, TP=2, CP=4, vLLM reporting 3,258 blocks."""
+    return plan(cap.get_preset("deepseek-v3"), 80, 2, 4, num_gpu_blocks=3258)
+
+
+def compare_strategies(spec: cap.ModelSpec, gpu_memory_gib: float, num_gpus: int,
+                       tensor_parallel_size: int = 1, context_parallel_size: int = 2,
+                       **kwargs: object) -> dict[str, DeploymentPlan]:
+    """Seed 000 §7 in numbers: the same ``num_gpus`` GPUs used as DP groups (TP inside each)
+    or with context parallelism. (For the memory, DP attention sizes like DP: each rank
+    caches its own requests; it differs in how MoE layers communicate.)"""
+    dp = plan(spec, gpu_memory_gib, tensor_parallel_size, 1, num_gpus=num_gpus, **kwargs)
+    cp = plan(spec, gpu_memory_gib, tensor_parallel_size, context_parallel_size,
+              num_gpus=num_gpus, **kwargs)
+    return {"DP": dp, "DP attention": dp, "CP": cp}
+
+
+@dataclass(frozen=True)
+class Node:
+    """A question of the decision tree; ``yes`` / ``no`` name the next node or are advice."""
+
+    question: str
+    yes: str
+    no: str
+
+
+DECISION_TREE: dict[str, Node] = {
+    "start": Node("Is the model MLA (one latent per token, no KV heads)?", "mla", "gqa"),
+    "mla": Node("Does one GPU's pool hold the request (CP=1)?", "util",
+                "mla+cp"),
+    "gqa": Node("Does the request fit once TP splits the KV heads (TP <= num_kv_heads)?",
+                "util", "gqa+cp"),
+}
+ADVICE: dict[str, str] = {
+    "mla+cp": "DP attention (TP cannot shrink a latent) + context parallelism: CP = the "
+              "smallest power of two whose pool holds the request",
+    "gqa+cp": "TP up to num_kv_heads, then add context parallelism for the rest",
+    "util": "fits; if it is tight, raise gpu_memory_utilization (0.9 -> 0.95)",
+}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    path: tuple[str, ...]             # the questions asked and the answers, in order
+    advice: str
+    plan: DeploymentPlan | None       # None: nothing up to max_gpus holds the request
+
+    def __str__(self) -> str:
+        head = "\n".join(f"  {p}" for p in self.path)
+        tail = self.plan.summary() if self.plan else "no configuration fits; add GPUs"
+        return f"{head}\n=> {self.advice}\n{tail}"
+
+
+def _first_fit(spec: cap.ModelSpec, context_len: int, gpu_memory_gib: float,
+               sizes: list[tuple[int, int, int]]) -> DeploymentPlan | None:
+    """The first (tp, cp, num_gpus) of ``sizes``, at utilization 0.9 then 0.95, that holds
+    the request (weights that do not fit skip a size)."""
+    for util in (0.9, 0.95):
+        for tp, cp, gpus in sizes:
+            try:
+                p = plan(spec, gpu_memory_gib, tp, cp, gpu_memory_utilization=util,
+                         num_gpus=gpus)
+            except ValueError:
+                continue
+            if p.max_request_tokens >= context_len:
+                return p
+    return None
+
+
+def recommend(spec: cap.ModelSpec, context_len: int, gpu_memory_gib: float,
+              max_gpus: int = 8) -> Recommendation:
+    """Walk :data:`DECISION_TREE` for one request of ``context_len`` tokens on up to
+    ``max_gpus`` (a power of two) GPUs of ``gpu_memory_gib``: the smallest setup that holds it.
+
+    MLA: the deployment takes all ``max_gpus`` (experts spread over them), attention runs as
+    DP attention (TP=1) and CP grows 1, 2, 4, ... GQA: TP grows 1, 2, ... up to num_kv_heads
+    (the KV heads split), then CP is added. Each size is tried at utilization 0.9, then 0.95.
+    """
+    cap._check_int("context_len", context_len, 1)
+    cap._check_int("max_gpus", max_gpus, 1)
+    if max_gpus & (max_gpus - 1):
+        raise ValueError(f"max_gpus must be a power of two, got {max_gpus}")
+    pow2 = [2 ** i for i in range(max_gpus.bit_length())]
+    path = [f"{DECISION_TREE['start'].question} {'yes' if spec.is_mla else 'no'}"]
+    if spec.is_mla:
+        one = _first_fit(spec, context_len, gpu_memory_gib, [(1, 1, max_gpus)])
+        path.append(f"{DECISION_TREE['mla'].question} {'yes' if one else 'no'}")
+        if one is not None:
+            return Recommendation(tuple(path), ADVICE["util"], one)
+        best = _first_fit(spec, context_len, gpu_memory_gib, [(1, c, max_gpus) for c in pow2])
+        return Recommendation(tuple(path), ADVICE["mla+cp"], best)
+    tps = [t for t in pow2 if t <= spec.num_kv_heads and spec.num_attention_heads % t == 0]
+    tp_only = _first_fit(spec, context_len, gpu_memory_gib, [(t, 1, t) for t in tps])
+    path.append(f"{DECISION_TREE['gqa'].question} {'yes' if tp_only else 'no'}")
+    if tp_only is not None:
+        return Recommendation(tuple(path), ADVICE["util"], tp_only)
+    sizes = [(t, c, t * c) for c in pow2[1:] for t in reversed(tps) if t * c <= max_gpus]
+    best = _first_fit(spec, context_len, gpu_memory_gib, sizes)
+    return Recommendation(tuple(path), ADVICE["gqa+cp"], best)

@@ -1,0 +1,206 @@
+"""Context-parallel decode on real torch.distributed ranks (gloo on CPU), and the launcher."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from course_lib.kernels.reference import paged_attention_ref
+from course_lib.parallel.cp_decode import (
+    CPCase,
+    check_against_single_rank,
+    run_case,
+    single_rank_decode,
+)
+from course_lib.parallel.launch import (
+    RankFailedError,
+    check_world_size,
+    failing_worker,
+    launch,
+    rank_sum_worker,
+)
+from course_lib.parallel.rank_cache import RankKVCache
+
+pytestmark = pytest.mark.ch09
+
+
+# ---------------------------------------------------------------- one process
+
+def test_single_rank_answer_equals_the_kernels_paged_reference():
+    """The one-rank answer (our partial attention over one paged cache) is the kernels' spec."""
+    case = CPCase(dtype="float32", prompt_len=13, num_steps=2)
+    got = single_rank_decode(case)
+    cache = RankKVCache(case.num_kv_heads, case.head_dim, case.block_size, case.num_gpu_blocks)
+    tokens = [case.token(p) for p in range(case.prompt_len + case.num_steps)]
+    cache.append(0, list(range(len(tokens))), torch.stack([t[1] for t in tokens]),
+                 torch.stack([t[2] for t in tokens]))
+    table = torch.tensor([cache.manager.get_block_table(0)])
+    q = tokens[-1][0][None]
+    want = paged_attention_ref(q, cache.key_cache, cache.value_cache, table,
+                               torch.tensor([len(tokens)]), None, case.scale)[0]
+    torch.testing.assert_close(got["outputs"][-1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rank_cache_keeps_its_block_manager_in_step():
+    cache = RankKVCache(2, 4, block_size=4, num_gpu_blocks=3, dtype=torch.float64)
+    k = torch.arange(40, dtype=torch.float64).reshape(5, 2, 4)
+    cache.append(7, [10, 11, 12, 13, 14], k, -k)
+    cache.append(7, [], k[:0], k[:0])
+    cache.append(7, [15], k[:1], k[:1])
+    assert cache.num_tokens(7) == 6 and len(cache.manager.get_block_table(7)) == 2
+    lk, lv = cache.local_kv(7)
+    torch.testing.assert_close(lk[:5], k)
+    torch.testing.assert_close(lv[:5], -k)
+    cache.check_invariants()
+    with pytest.raises(ValueError, match="rank 0: no room for 7 more tokens"):
+        cache.append(7, list(range(16, 23)), k[:1].expand(7, 2, 4), k[:1].expand(7, 2, 4))
+    assert cache.num_tokens(7) == 6     # the failed append changed nothing
+    cache.check_invariants()
+    cache.free(7)
+    assert cache.manager.num_free_gpu_blocks == 3 and cache.num_tokens(7) == 0
+
+
+def test_placements():
+    c = CPCase(prompt_len=10)
+    assert [c.rank_of(p, 4) for p in range(12)] == [0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3]
+    i = CPCase(prompt_len=10, placement="interleaved", interleave_size=2)
+    assert [i.rank_of(p, 3) for p in range(8)] == [0, 0, 1, 1, 2, 2, 0, 0]
+    with pytest.raises(ValueError, match="placement"):
+        CPCase(placement="random")
+
+
+@given(st.integers(1, 60), st.integers(0, 5), st.integers(1, 4),
+       st.sampled_from(["contiguous", "interleaved"]), st.integers(1, 8))
+def test_placement_partitions_the_tokens(prompt_len, steps, cp, placement, interleave):
+    case = CPCase(prompt_len=prompt_len, num_steps=max(steps, 1), placement=placement,
+                  interleave_size=interleave)
+    n = prompt_len + steps
+    owners = [case.rank_of(p, cp) for p in range(n)]
+    assert all(0 <= r < cp for r in owners)
+    if placement == "contiguous":            # the prompt: ranges in rank order, balanced
+        prompt = owners[:prompt_len]
+        assert prompt == sorted(prompt)
+        sizes = [prompt.count(r) for r in range(cp)]
+        assert max(sizes) - min(sizes) <= 1
+        assert all(r == cp - 1 for r in owners[prompt_len:])
+    else:
+        assert all(owners[p] == (p // interleave) % cp for p in range(n))
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), max_size=25),
+       st.sampled_from([1, 2, 4]))
+def test_rank_cache_stores_what_it_is_given(appends, block_size):
+    """Random appends to 3 sequences: every token reads back, the manager stays consistent,
+    and a full pool refuses an append without changing anything."""
+    cache = RankKVCache(1, 2, block_size, num_gpu_blocks=8, dtype=torch.float64)
+    want: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    counter = 0
+    for seq, n in appends:
+        values = [float(counter + i) for i in range(n)]
+        k = torch.tensor(values, dtype=torch.float64).reshape(n, 1, 1).expand(n, 1, 2)
+        try:
+            cache.append(seq, list(range(len(want[seq]), len(want[seq]) + n)), k, -k)
+        except ValueError as e:
+            assert "no room" in str(e)
+        else:
+            want[seq].extend(values)
+            counter += n
+        cache.check_invariants()
+        for s, vals in want.items():
+            lk, lv = cache.local_kv(s)
+            assert lk[:, 0, 0].tolist() == vals and lv[:, 0, 1].tolist() == [-x for x in vals]
+            assert cache.positions.get(s, []) == list(range(len(vals)))
+
+
+def test_a_rank_in_a_one_rank_world_holds_everything():
+    r = run_case(CPCase(prompt_len=9, num_steps=2), rank=0, cp_size=1)
+    assert r["positions"] == list(range(11)) and r["bytes_sent"] == {"query": 0, "merge": 0}
+
+
+# ---------------------------------------------------------------- real processes (gloo)
+
+@pytest.mark.slow
+def test_cp2_matches_one_rank():
+    cases = [CPCase(), CPCase(placement="interleaved", interleave_size=2, dtype="float32",
+                              num_heads=8, num_kv_heads=1, prompt_len=30, num_steps=4, seed=3)]
+    checks = check_against_single_rank(cases, 2, timeout_s=90)
+    assert len(checks) == 4 and all(c.ok for c in checks), [str(c) for c in checks]
+    assert checks[0].tokens_per_rank == (10, 14)      # 21 prompt tokens 10 | 11, +3 decoded
+    assert checks[2].tokens_per_rank == (18, 16)      # pairs dealt round-robin over 34 tokens
+    # bytes on the wire do not depend on the context: q per step, out + LSE(s) per rank per step
+    assert checks[0].query_bytes == 3 * 4 * 16 * 8                      # steps x H x d x fp64
+    assert checks[0].merge_bytes == 3 * (4 * 16 + 2 * 4) * 8            # all_reduce: max + sum
+    assert checks[1].merge_bytes == 3 * (4 * 16 + 4) * 8                # all_gather: out + lse
+
+
+@pytest.mark.slow
+def test_cp4_matches_one_rank_even_with_empty_ranks():
+    cases = [CPCase(prompt_len=2, num_steps=3, seed=1),          # ranks 0 and 2 hold nothing
+             CPCase(placement="interleaved", interleave_size=4, dtype="float32",
+                    prompt_len=37, num_steps=2, seed=2)]
+    checks = check_against_single_rank(cases, 4, timeout_s=90)
+    assert all(c.ok for c in checks), [str(c) for c in checks]
+    assert checks[0].tokens_per_rank == (0, 1, 0, 4)
+    assert sum(checks[2].tokens_per_rank) == 39
+    assert "match" in str(checks[0])
+
+
+def test_a_wrong_merge_would_be_caught():
+    """The comparison can fail: a check whose ranks disagree or differ is not ok."""
+    from course_lib.parallel.cp_decode import CPCheck
+
+    assert not CPCheck(CPCase(), 2, "all_reduce", 1e-3, (1, 1), True).ok
+    assert not CPCheck(CPCase(), 2, "all_reduce", 0.0, (1, 1), False).ok
+    assert "MISMATCH" in str(CPCheck(CPCase(), 2, "all_reduce", 1e-3, (1, 1), True))
+
+
+# ---------------------------------------------------------------- failures never hang
+
+@pytest.mark.parametrize("world_size", [0, 9, -1, 2.0, True])
+def test_wrong_world_size_is_refused_before_launching(world_size):
+    with pytest.raises(ValueError, match="world_size must be an integer"):
+        launch(rank_sum_worker, world_size, backend="gloo")
+
+
+def test_nccl_needs_a_gpu_per_rank():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        check_world_size(2, "nccl")
+
+
+def test_a_worker_defined_in_main_is_refused():
+    def local(rank, world_size):
+        return rank
+    with pytest.raises(ValueError, match="module-level"):
+        launch(local, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failing_rank_is_reported_not_hung(how):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank \d of 2"):
+        launch(failing_worker, 2, (1, how), timeout_s=60)
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow
+def test_a_hanging_rank_hits_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match="did not finish within 4"):
+        launch(failing_worker, 2, (1, "hang"), timeout_s=4)
+    assert time.monotonic() - t0 < 4 + 15
+
+
+@pytest.mark.gpu
+def test_nccl_when_gpus_are_present():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    assert [r["sum"] for r in launch(rank_sum_worker, 2)] == [1, 1]
+    checks = check_against_single_rank([CPCase(dtype="float32")], 2)
+    assert all(c.ok for c in checks)

@@ -1,0 +1,125 @@
+"""DP / DP-attention / CP in numbers, the decision tree, and the strategy explorer widget."""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib import capacity as cap
+from course_lib.parallel import strategy
+from course_lib.parallel.cp_decode import CPCase
+
+pytestmark = pytest.mark.ch09
+
+V3 = cap.get_preset("deepseek-v3")
+L70 = cap.get_preset("llama-3-70b")
+
+
+def test_seed_case_52k_per_gpu_208k_with_cp4():
+    p = strategy.seed_case()
+    assert (p.num_gpus, p.data_parallel_size) == (8, 1)
+    assert p.block_bytes == 16 * 61 * 1152
+    assert p.tokens_per_gpu == 3258 * 16 == 52_128
+    assert p.max_request_tokens == 4 * 52_128 == 208_512
+    # one layer: the query is 128 heads x 576 x 2 B; the KV of 3/4 of the tokens is 1152 B each
+    assert p.comm.query_bytes == 128 * 576 * 2
+    assert p.comm.move_kv_bytes == (208_512 - 52_128) * 1152
+    assert p.move_kv_bytes_per_step == 61 * p.comm.move_kv_bytes
+    assert p.move_kv_bytes_per_step > 500 * p.query_bytes_per_step
+    assert "208,512 tokens" in p.summary()
+
+
+def test_compare_strategies_cp_lengthens_a_request_dp_does_not():
+    c = strategy.compare_strategies(L70, 80, num_gpus=8, tensor_parallel_size=2,
+                                    context_parallel_size=4)
+    dp, cp = c["DP"], c["CP"]
+    assert dp.data_parallel_size == 4 and cp.data_parallel_size == 1
+    assert dp.tokens_per_gpu == cp.tokens_per_gpu              # same pool per GPU
+    assert dp.total_tokens == cp.total_tokens == 4 * dp.tokens_per_gpu
+    assert dp.max_request_tokens == dp.tokens_per_gpu          # DP: a request stays on a group
+    assert cp.max_request_tokens == 4 * dp.tokens_per_gpu      # CP: x CP size
+    assert dp.query_bytes_per_step == 0 < cp.query_bytes_per_step
+    assert [s.name for s in strategy.STRATEGIES] == ["DP", "DP attention", "CP"]
+    assert strategy.STRATEGIES[2].single_request_limit == "x CP size"
+
+
+def test_plan_matches_capacity_and_validates():
+    p = strategy.plan(L70, 80, 4, 2)
+    b = cap.plan_kv_cache(L70, 80, tensor_parallel_size=4)
+    assert (p.num_gpu_blocks, p.block_bytes) == (b.num_gpu_blocks, b.block_bytes)
+    mla = strategy.plan(V3, 141, 1, 8)
+    assert mla.weight_bytes_per_gpu == round(V3.weight_bytes / 8)
+    assert strategy.plan(V3, 141, 2, 4).block_bytes == mla.block_bytes   # TP cannot shrink MLA
+    with pytest.raises(ValueError, match="negative"):
+        strategy.plan(V3, 80, 1, 1)                              # 671 GB of weights on one GPU
+    with pytest.raises(ValueError, match="multiple of TP x CP"):
+        strategy.plan(L70, 80, 2, 2, num_gpus=6)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        strategy.plan(L70, 80, 3, 1)
+
+
+def test_decision_tree_mla_goes_to_dp_attention_plus_cp():
+    r = strategy.recommend(V3, 2_000_000, 141)
+    assert r.path[0].endswith("yes") and r.path[1].endswith("no")
+    assert r.advice == strategy.ADVICE["mla+cp"]
+    assert r.plan.tensor_parallel_size == 1 and r.plan.context_parallel_size == 4
+    assert r.plan.max_request_tokens >= 2_000_000
+    smaller = strategy.plan(V3, 141, 1, 2, num_gpus=8, gpu_memory_utilization=0.95)
+    assert smaller.max_request_tokens < 2_000_000               # CP=2 really was too small
+
+
+def test_decision_tree_gqa_tp_first_then_cp():
+    short = strategy.recommend(L70, 200_000, 80)
+    assert short.advice == strategy.ADVICE["util"] and short.plan.context_parallel_size == 1
+    assert short.plan.tensor_parallel_size == 4                  # TP=2 holds only ~41K
+    assert strategy.plan(L70, 80, 2, 1, gpu_memory_utilization=0.95).max_request_tokens \
+        < 200_000
+    long = strategy.recommend(L70, 2_000_000, 80, max_gpus=16)
+    assert long.path[1].endswith("no") and long.advice == strategy.ADVICE["gqa+cp"]
+    assert (long.plan.tensor_parallel_size, long.plan.context_parallel_size) == (8, 2)
+    assert long.plan.max_request_tokens >= 2_000_000
+    assert strategy.recommend(L70, 2_000_000, 80, max_gpus=8).plan is None
+    assert strategy.recommend(L70, 100_000_000, 80).plan is None
+    with pytest.raises(ValueError, match="power of two"):
+        strategy.recommend(L70, 1000, 80, max_gpus=6)
+
+
+def test_explorer_reacts_to_values():
+    from course_lib.viz.parallel import StrategyExplorer
+
+    ex = StrategyExplorer()
+    assert ex.plan.model is V3 and ex.plan.context_parallel_size == 4
+    first_png, first_tokens = ex.png, ex.plan.max_request_tokens
+    assert ex.image.value == first_png and first_png.startswith(b"\x89PNG")
+    ex.cp.value = 8
+    assert ex.plan.max_request_tokens == 2 * first_tokens and ex.png != first_png
+    ex.model.value = "llama-3-8b"
+    assert ex.tp.options == (1, 2, 4, 8) and ex.plan.model.name == "Llama-3-8B"
+    ex.memory.value = 24
+    ex.tp.value = 1
+    ex.cp.value = 1
+    assert "does not fit" not in ex.text and ex.plan.weight_bytes_per_gpu > 14 * 2**30
+    ex.model.value = "deepseek-v3"
+    ex.cp.value = 1
+    assert ex.plan is None and "negative" in ex.error and "does not fit" in ex.text
+    assert "decision tree" in ex.html.value
+    ex.tp.value = 8
+    ex.model.value = "qwen2.5-7b"                  # 28 query heads: TP=8 does not divide them
+    assert ex.tp.options == (1, 2, 4) and ex.tp.value == 1 and ex.plan.tensor_parallel_size == 1
+    before = ex.plan.num_gpu_blocks
+    ex.util.value = 0.95
+    assert ex.plan.num_gpu_blocks > before
+
+
+def test_figures_draw():
+    from course_lib.viz import parallel as viz
+
+    fig = viz.draw_cp_layout(CPCase(prompt_len=10, num_steps=2), 4)
+    assert len(fig.axes[0].patches) == 12
+    fig = viz.draw_move_q_vs_kv(V3, [32_768, 208_512], 4)
+    assert len(fig.axes[0].patches) == 4
+    fig = viz.draw_decode_flow(4)
+    assert len(fig.axes[0].patches) == 8 and len(fig.axes[0].texts) == 4 + 2 + 3
+    with pytest.raises(ValueError, match="cp_size"):
+        viz.draw_decode_flow(0)
+    fig = viz.draw_plan(strategy.seed_case(), 200_000)
+    assert "fits" in fig.axes[0].get_title()
