@@ -1,0 +1,96 @@
+"""After a step: sampled tokens into sequences, parallel samples forked, beams kept or dropped.
+
+vLLM v0 does this in its output processor; here it is one function the scheduler calls from
+``Scheduler.update``. Every fork and free goes through the block manager, so forked samples
+share the prompt's blocks (copy-on-write on their first write) and dropped beams give their
+blocks back at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
+from typing import TYPE_CHECKING
+
+from .sequence import Request, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+    from .scheduler_output import ScheduledSeq
+
+
+def _append(seq: Sequence, token: int, logprob: float) -> None:
+    seq.output_token_ids.append(token)
+    seq.cumulative_logprob += logprob
+
+
+def _candidates(samples: Mapping[int, SequenceABC[tuple[int, float]]],
+                e: ScheduledSeq) -> SequenceABC[tuple[int, float]]:
+    cands = samples.get(e.seq.seq_id)
+    if cands is None or len(cands) != e.num_samples:
+        got = None if cands is None else len(cands)
+        raise ValueError(f"seq {e.seq.seq_id} needs {e.num_samples} sampled candidates, got {got}")
+    return cands
+
+
+def apply_samples(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
+                  samples: Mapping[int, SequenceABC[tuple[int, float]]]) -> None:
+    """Append the step's tokens of ``req`` (``entries``: its entries that sampled), then
+    finish the sequences that reached ``max_tokens`` or ``max_model_len``."""
+    bm = sched.block_manager
+    if req.sampling_params.use_beam_search:
+        _beam_step(sched, req, entries, samples)
+    else:
+        for e in entries:
+            cands, seq = _candidates(samples, e), e.seq
+            children = []
+            for i in range(1, e.num_samples):      # the prompt forks into n samples
+                child = seq.fork(sched.new_seq_id(), i)
+                bm.fork(seq.seq_id, child.seq_id)
+                children.append(child)
+            req.seqs += children
+            for s, (token, logprob) in zip([seq, *children], cands, strict=True):
+                _append(s, token, logprob)
+    max_tokens, max_len = req.sampling_params.max_tokens, sched.config.max_model_len
+    for seq in req.unfinished_seqs:
+        if len(seq.output_token_ids) >= max_tokens or len(seq) >= max_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            bm.free(seq.seq_id)
+    if req.is_finished:
+        req.finish_reason = "length"
+
+
+def _beam_step(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
+               samples: Mapping[int, SequenceABC[tuple[int, float]]]) -> None:
+    """Keep the ``beam_width`` best (beam + token) by cumulative logprob: a beam picked k
+    times is forked k - 1 times, a beam never picked is freed."""
+    bm, width = sched.block_manager, req.sampling_params.beam_width
+    scored = [(e.seq.cumulative_logprob + lp, token, e.seq)
+              for e in entries for token, lp in _candidates(samples, e)]
+    # ties broken by content, never by seq ids, so that preemption cannot change the result
+    scored.sort(key=lambda c: (-c[0], c[2].output_token_ids, c[1]))
+    picks: dict[int, list[tuple[float, int]]] = {}
+    for score, token, beam in scored[:width]:
+        picks.setdefault(beam.seq_id, []).append((score, token))
+    next_index = max(s.index for s in req.seqs) + 1
+    survivors: list[Sequence] = []
+    for e in entries:
+        beam = e.seq
+        chosen = picks.get(beam.seq_id)
+        if not chosen:
+            beam.status = SequenceStatus.FINISHED_ABORTED
+            bm.free(beam.seq_id)
+            continue
+        for score, token in chosen[1:]:
+            child = beam.fork(sched.new_seq_id(), next_index)
+            next_index += 1
+            bm.fork(beam.seq_id, child.seq_id)
+            child.output_token_ids.append(token)
+            child.cumulative_logprob = score
+            survivors.append(child)
+        score, token = chosen[0]
+        beam.output_token_ids.append(token)
+        beam.cumulative_logprob = score
+        survivors.append(beam)
+    req.seqs = [s for s in req.seqs if s.status == SequenceStatus.FINISHED_LENGTH_CAPPED] \
+        + survivors

@@ -1,0 +1,292 @@
+"""Continuous batching with preemption: which sequences run in the next step.
+
+The shape of vLLM v0's ``Scheduler`` (``_schedule_running`` / ``_schedule_swapped`` /
+``_schedule_prefills`` / ``_preempt``), simplified. One step:
+
+1. **Running** requests, decodes first, then prefill chunks, in arrival order. A decode needs
+   a slot per sequence (maybe a new block, maybe a copy-on-write copy); when the GPU pool is
+   short, a victim is preempted (default: the request that arrived last) until it fits.
+2. **Swapped** requests come back (swap in) if nothing was preempted in this step.
+3. **Waiting** requests are admitted (their whole prompt gets blocks, cache hits reused) if
+   nothing was preempted and nothing is swapped out, within what is left of the budget.
+
+Contract with the block manager and the engine that executes a :class:`SchedulerOutput`:
+run ``blocks_to_swap_out`` first (the freed GPU blocks may be reused in the same step), then
+``blocks_to_swap_in`` and ``blocks_to_copy``, then the forward pass; then call
+:meth:`Scheduler.update` with the sampled tokens, which marks the computed blocks (prefix
+cache), appends tokens, forks samples and beams, and frees finished sequences.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
+
+from . import scheduler_checks as checks
+from .memory import AllocStatus, BlockManager
+from .output_processor import apply_samples
+from .scheduler_config import (
+    CacheConfig,
+    SchedulerConfig,
+    SchedulingBudget,
+    VictimPolicy,
+    last_arrived_first,
+)
+from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .sequence import Request, SamplingParams, Sequence, SequenceStatus
+
+S = SequenceStatus
+
+
+def _fcfs(r: Request) -> tuple[float, int]:
+    return (r.arrival_time, r.request_id)
+
+
+class Scheduler:
+    """Decides each step's batch and owns the :class:`BlockManager` (``self.block_manager``)."""
+
+    def __init__(self, scheduler_config: SchedulerConfig | None = None,
+                 cache_config: CacheConfig | None = None,
+                 victim_policy: VictimPolicy = last_arrived_first) -> None:
+        self.config = scheduler_config or SchedulerConfig()
+        self.cache_config = cc = cache_config or CacheConfig()
+        self.block_manager = BlockManager(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks,
+                                          cc.watermark, cc.enable_prefix_caching)
+        self.victim_policy = victim_policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_steps = 0
+        self.num_preemptions = 0           # vllm:num_preemptions_total
+        self._next_seq_id = 0
+
+    # ------------------------------------------------------------------------ requests
+    def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float = 0.0) -> Request:
+        req = Request(request_id, tuple(prompt_token_ids), sampling_params or SamplingParams(),
+                      arrival_time)
+        req.seqs.append(Sequence(self.new_seq_id(), req.prompt_token_ids, 0))
+        self.waiting.append(req)
+        return req
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def abort_request(self, request_id: int) -> bool:
+        """Finish a request wherever it is, freeing its blocks; False if it is not here."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, S.FINISHED_ABORTED, "aborted by the user")
+                    return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.unfinished_seqs) for r in self.running)
+
+    def _finish(self, req: Request, status: SequenceStatus, reason: str) -> None:
+        for seq in req.unfinished_seqs:
+            if self.block_manager.has_seq(seq.seq_id):
+                self.block_manager.free(seq.seq_id)
+            seq.status = status
+        req.finish_reason = reason
+
+    # ------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; changes block tables (allocate, append, swap, free)."""
+        out = SchedulerOutput(self.num_steps)
+        self.num_steps += 1
+        cfg, bm = self.config, self.block_manager
+        budget = SchedulingBudget(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.running.sort(key=_fcfs)
+        prefill = {id(r) for r in self.running if r.is_prefill}
+        queue = deque([r for r in self.running if id(r) not in prefill]
+                      + [r for r in self.running if id(r) in prefill])
+        kept: list[Request] = []
+        while queue:
+            req = queue.popleft()
+            if id(req) in prefill:
+                self._schedule_prefill(req, budget, out)
+                kept.append(req)
+                continue
+            seqs = req.unfinished_seqs
+            if not budget.can_schedule(len(seqs), len(seqs)):
+                kept.append(req)        # stays running, waits for a step with room
+                continue
+            while checks.append_need(bm, seqs) > bm.num_free_gpu_blocks:
+                victim = self.victim_policy([req, *queue])
+                if victim is req and not queue and not kept:
+                    self._finish(req, S.FINISHED_ABORTED, checks.too_big_to_grow(bm, req))
+                    out.ignored.append(req)
+                    break
+                if victim is not req:
+                    queue.remove(victim)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                self._schedule_decode(req, seqs, budget, out)
+                kept.append(req)
+        self.running = kept
+        if not out.preempted:
+            self._schedule_swapped(budget, out)
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(budget, out)
+        return out
+
+    def _schedule_decode(self, req: Request, seqs: list[Sequence], budget: SchedulingBudget,
+                         out: SchedulerOutput) -> None:
+        num_samples = 2 * req.sampling_params.beam_width if \
+            req.sampling_params.use_beam_search else 1
+        for seq in seqs:
+            out.blocks_to_copy += self.block_manager.append_slots(seq.seq_id, [seq.last_token_id])
+            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_samples))
+        budget.add(len(seqs), len(seqs))
+
+    def _schedule_prefill(self, req: Request, budget: SchedulingBudget,
+                          out: SchedulerOutput) -> None:
+        """Prefill chunks of the sequences that still need them (their blocks are there)."""
+        seqs = req.unfinished_seqs
+        # reserve the sequences the request will run once its prompt forks (vLLM v0's
+        # get_max_num_running_seqs), so that its first decode finds room in the batch
+        reserve = max(len(seqs), req.sampling_params.num_seqs)
+        if reserve > budget.remaining_seqs:
+            return
+        left, entries = budget.remaining_tokens, []
+        for seq in seqs:
+            if not seq.needs_prefill:
+                continue
+            remaining = seq.prefill_target - seq.num_computed_tokens
+            if self.config.enable_chunked_prefill:
+                chunk = min(remaining, left)
+            else:
+                chunk = remaining if remaining <= left else 0
+            if chunk == 0:
+                break
+            left -= chunk
+            num_samples = 0
+            if chunk == remaining and not seq.output_token_ids:   # the prompt's last chunk
+                num_samples = req.sampling_params.num_seqs
+                if req.sampling_params.use_beam_search:
+                    num_samples *= 2
+            entries.append(ScheduledSeq(req, seq, chunk, True, num_samples))
+        if entries:
+            out.scheduled += entries
+            budget.add(sum(e.num_tokens for e in entries), reserve)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        bm, ids = self.block_manager, [s.seq_id for s in req.unfinished_seqs]
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and not req.is_prefill and bm.can_swap_out(ids):
+            out.blocks_to_swap_out += bm.swap_out(ids)
+            for seq in req.unfinished_seqs:
+                seq.status = S.SWAPPED
+            self.swapped.append(req)
+            out.preempted.append((req.request_id, "swap"))
+            return
+        for seq in req.unfinished_seqs:                 # recompute: forget the K/V
+            bm.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = S.WAITING
+        self.waiting.appendleft(req)                    # first in line when room comes back
+        out.preempted.append((req.request_id, "recompute"))
+
+    def _schedule_swapped(self, budget: SchedulingBudget, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        self.swapped.sort(key=_fcfs)
+        while self.swapped:
+            req = self.swapped[0]
+            seqs = req.unfinished_seqs
+            tables = [bm.get_table(s.seq_id) for s in seqs]
+            need = len({b for t in tables for b in t.blocks}) + checks.append_need(bm, seqs)
+            if need > bm.num_gpu_blocks - bm.watermark_blocks:
+                self.swapped.pop(0)
+                self._finish(req, S.FINISHED_IGNORED, checks.too_big_to_swap_in(bm, req, need))
+                out.ignored.append(req)
+                continue
+            if bm.num_free_gpu_blocks - need < bm.watermark_blocks \
+                    or not budget.can_schedule(len(seqs), len(seqs)):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += bm.swap_in([s.seq_id for s in seqs])
+            for seq in seqs:
+                seq.status = S.RUNNING
+            self._schedule_decode(req, seqs, budget, out)
+            self.running.append(req)
+
+    def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutput) -> None:
+        bm, cfg = self.block_manager, self.config
+        while self.waiting:
+            req = self.waiting[0]
+            seqs = req.unfinished_seqs
+            status = checks.can_allocate(bm, seqs)
+            reason = checks.never_fits(cfg, bm, req, status)
+            if reason is not None:
+                self.waiting.popleft()
+                self._finish(req, S.FINISHED_IGNORED, reason)
+                out.ignored.append(req)
+                continue
+            if status == AllocStatus.LATER \
+                    or max(len(seqs), req.sampling_params.num_seqs) > budget.remaining_seqs \
+                    or budget.remaining_tokens == 0:
+                break
+            if not cfg.enable_chunked_prefill and \
+                    seqs[0].prefill_target > budget.remaining_tokens:
+                break
+            self.waiting.popleft()
+            for seq in seqs:
+                target = seq.prefill_target
+                cached = bm.allocate(seq.seq_id, seq.token_ids[:target])
+                if req.first_scheduled_time is None:
+                    req.num_cached_tokens = cached
+                seq.num_computed_tokens = min(cached, target - 1)  # the last one makes logits
+                seq.status = S.RUNNING
+            self._schedule_prefill(req, budget, out)
+            self.running.append(req)
+
+    # --------------------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput,
+               samples: Mapping[int, SequenceABC[tuple[int, float]]],
+               now: float = 0.0) -> list[Request]:
+        """Apply a step's results: ``samples[seq_id]`` holds the (token, logprob) candidates
+        of each scheduled entry with ``num_samples > 0``. Returns the requests finished now."""
+        bm = self.block_manager
+        sampled: dict[int, list[ScheduledSeq]] = {}     # request_id -> its entries that sample
+        for e in out.scheduled:
+            seq, req = e.seq, e.request
+            if seq.status != S.RUNNING:
+                continue                                  # aborted in between
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            seq.num_computed_tokens += e.num_tokens
+            bm.mark_blocks_as_computed(seq.seq_id, seq.num_computed_tokens)
+            if e.num_samples:
+                sampled.setdefault(req.request_id, []).append(e)
+        finished = []
+        for entries in sampled.values():
+            req = entries[0].request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            apply_samples(self, req, entries, samples)
+            if req.is_finished:
+                req.finished_time = now
+                finished.append(req)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+        for req in out.ignored:
+            req.finished_time = now
+        return finished + out.ignored
+
+    def check_invariants(self) -> None:
+        """Queues and block tables agree (DESIGN.md); call it after schedule() or update()."""
+        checks.check_invariants(self)

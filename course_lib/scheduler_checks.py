@@ -1,0 +1,92 @@
+"""The scheduler's questions to the block manager, and its invariants.
+
+* :func:`append_need`: GPU blocks the next decode step of some sequences takes.
+* :func:`can_allocate`: can a waiting request's sequences get their blocks (now, later, never)?
+* :func:`never_fits`: why a request can never run (a sentence), or None.
+* :func:`check_invariants`: the scheduler's queues and the block tables agree.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .memory import AllocStatus, BlockManager, cdiv
+from .scheduler_config import SchedulerConfig
+from .sequence import Request, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def append_need(bm: BlockManager, seqs: list[Sequence]) -> int:
+    """GPU blocks one decode step of these sequences takes: a new block for each full last
+    block, a copy for each shared partial last block (copy-on-write). Works for sequences
+    swapped out too (their tables are on the CPU, with the same sharing)."""
+    bs, need = bm.block_size, 0
+    for seq in seqs:
+        table = bm.get_table(seq.seq_id)
+        if table.num_tokens % bs == 0 or bm.ref_count(table.blocks[-1], table.device) > 1:
+            need += 1
+    return need
+
+
+def can_allocate(bm: BlockManager, seqs: list[Sequence]) -> AllocStatus:
+    """Room for the blocks of ``seqs``' next prefill (``prefill_target`` tokens each)?"""
+    if len(seqs) == 1:
+        return bm.can_allocate(seqs[0].token_ids[:seqs[0].prefill_target])
+    # several sequences (a parallel-sampling request preempted by recompute): count their
+    # blocks without prefix-cache hits, an upper bound of what they take.
+    blocks = sum(cdiv(s.prefill_target, bm.block_size) for s in seqs)
+    return bm.can_allocate(blocks * bm.block_size)
+
+
+def never_fits(cfg: SchedulerConfig, bm: BlockManager, req: Request,
+               status: AllocStatus) -> str | None:
+    """The reason a waiting request can never be scheduled, or None if it can."""
+    if len(req.prompt_token_ids) > cfg.max_model_len:
+        return (f"prompt of {len(req.prompt_token_ids)} tokens is longer than "
+                f"max_model_len={cfg.max_model_len}")
+    num_seqs = req.sampling_params.num_seqs
+    if num_seqs > min(cfg.max_num_seqs, cfg.max_num_batched_tokens):
+        return (f"needs {num_seqs} sequences at once, max_num_seqs={cfg.max_num_seqs} "
+                f"and max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    if status == AllocStatus.NEVER:
+        need = sum(cdiv(s.prefill_target, bm.block_size) for s in req.unfinished_seqs)
+        return (f"needs {need} GPU blocks, the pool has {bm.num_gpu_blocks} "
+                f"minus a watermark of {bm.watermark_blocks}")
+    return None
+
+
+def too_big_to_grow(bm: BlockManager, req: Request) -> str:
+    held = len({b for s in req.unfinished_seqs for b in bm.get_block_table(s.seq_id)})
+    return (f"request {req.request_id} cannot grow: it holds {held} of the "
+            f"{bm.num_gpu_blocks} GPU blocks alone and needs more "
+            f"(raise num_gpu_blocks or lower max_model_len / max_tokens)")
+
+
+def too_big_to_swap_in(bm: BlockManager, req: Request, need: int) -> str:
+    return (f"request {req.request_id} needs {need} GPU blocks to come back, the pool has "
+            f"{bm.num_gpu_blocks} (watermark {bm.watermark_blocks})")
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Every queued sequence has the status of its queue; running ones hold GPU tables,
+    swapped ones CPU tables, waiting ones none; no table belongs to no queue."""
+    bm, S = sched.block_manager, SequenceStatus
+    bm.check_invariants()
+    held: set[int] = set()
+    for queue, status, device in ((sched.running, S.RUNNING, "gpu"),
+                                  (sched.swapped, S.SWAPPED, "cpu"),
+                                  (sched.waiting, S.WAITING, None)):
+        for req in queue:
+            assert not req.is_finished, f"request {req.request_id} finished but queued"
+            for seq in req.unfinished_seqs:
+                assert seq.status == status, f"seq {seq.seq_id}: {seq.status} in {status}"
+                if device is None:
+                    assert not bm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
+                    continue
+                table = bm.get_table(seq.seq_id)
+                assert table.device == device, f"seq {seq.seq_id} on {table.device}"
+                assert seq.num_computed_tokens <= table.num_tokens <= len(seq)
+                held.add(seq.seq_id)
+    assert held == set(bm.seq_ids()), "block tables of sequences no queue holds"

@@ -1,0 +1,52 @@
+"""What one ``Scheduler.schedule()`` call decides: plain data for the engine (or the simulator).
+
+The engine executes it in this order: ``blocks_to_swap_out`` (before anything else: the GPU
+blocks they free may be handed out again in the same step), ``blocks_to_swap_in``,
+``blocks_to_copy`` (copy-on-write), then the forward pass over ``scheduled``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Request, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in a step."""
+
+    request: Request
+    seq: Sequence
+    num_tokens: int       # tokens fed: a prefill chunk, or 1 for a decode
+    is_prefill: bool
+    num_samples: int      # (token, logprob) candidates the sampler must return (0: none)
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the engine needs for one step (plain data)."""
+
+    step: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) CoW
+    preempted: list[tuple[int, str]] = field(default_factory=list)  # (request_id, mode)
+    ignored: list[Request] = field(default_factory=list)   # finished without running
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.scheduled if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.scheduled if not e.is_prefill)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.ignored

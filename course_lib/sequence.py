@@ -1,0 +1,200 @@
+"""Requests and their sequences: what the scheduler schedules.
+
+A :class:`Request` (vLLM v0's ``SequenceGroup``) is one prompt sent by a user. It holds one
+:class:`Sequence` per sample it generates: one for greedy/random sampling, ``n`` for parallel
+sampling, ``beam_width`` beams for beam search. All of a request's sequences are scheduled,
+preempted and swapped together, because they share KV blocks (copy-on-write).
+
+Token bookkeeping of one sequence (the contract with the block manager):
+
+* ``token_ids`` = prompt + output tokens so far.
+* ``num_computed_tokens``: leading tokens whose K/V are written in the paged cache.
+* While decoding, every token but the last sampled one is computed; the next step feeds the
+  last token (its K/V are written) and samples the one after it.
+
+A sequence preempted by recompute forgets its K/V (``num_computed_tokens = 0``) but keeps its
+output tokens: its next prefill recomputes ``token_ids[:-1]`` and the last token goes through
+a normal decode step, so the tokens it generates are the ones it would have generated anyway.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How many tokens to generate and how (vLLM's names).
+
+    ``temperature``, ``top_p`` and ``seed`` are carried for the model's sampler; the scheduler
+    only needs ``max_tokens``, ``n`` and ``beam_width``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1                # parallel samples: n sequences forked from the prompt
+    beam_width: int = 1       # > 1: beam search keeping that many beams
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("n", "beam_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError(f"use either n > 1 (parallel sampling) or beam_width > 1, "
+                             f"got n={self.n}, beam_width={self.beam_width}")
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs once its prompt is done."""
+        return max(self.n, self.beam_width)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"          # a stop token (not produced by the sim)
+    FINISHED_LENGTH_CAPPED = "finished_length"     # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"          # abort_request, or a beam dropped
+    FINISHED_IGNORED = "finished_ignored"          # can never fit: rejected, never retried
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISHED_STATUSES
+
+
+FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED"))
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated continuation of a prompt. ``index``: its sample number in the request
+    (0..n-1), which a seeded sampler uses so that samples differ."""
+
+    seq_id: int
+    prompt_token_ids: tuple[int, ...]
+    index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    cumulative_logprob: float = 0.0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens that must be computed before the next decode step: the whole prompt before
+        the first token is sampled, every token but the last one afterwards (recompute)."""
+        return len(self) - 1 if self.output_token_ids else len(self)
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.num_computed_tokens < self.prefill_target
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED_STATUSES
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        return Sequence(seq_id, self.prompt_token_ids, index, list(self.output_token_ids),
+                        self.status, self.num_computed_tokens, self.cumulative_logprob)
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt and its sequences (vLLM v0's ``SequenceGroup``), with its timestamps."""
+
+    request_id: int
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    finish_reason: str | None = None     # a sentence a learner can read
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0           # prompt tokens found in the prefix cache (first time)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt must have >= 1 token")
+
+    @property
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status not in FINISHED_STATUSES]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status in FINISHED_STATUSES for s in self.seqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while some sequence still has tokens to (re)compute before decoding."""
+        return any(s.num_computed_tokens < s.prefill_target for s in self.seqs
+                   if s.status not in FINISHED_STATUSES)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return max((len(s.output_token_ids) for s in self.seqs), default=0)
+
+    def outputs(self) -> list[list[int]]:
+        """Generated tokens of each sequence: by sample index, or best beam first."""
+        seqs = self.seqs
+        if self.sampling_params.use_beam_search:
+            seqs = sorted((s for s in seqs if s.status != SequenceStatus.FINISHED_ABORTED),
+                          key=lambda s: (-s.cumulative_logprob, s.output_token_ids))
+        else:
+            seqs = sorted(seqs, key=lambda s: s.index)
+        return [list(s.output_token_ids) for s in seqs]
+
+
+def fake_sample(request: Request, seq: Sequence, num_samples: int,
+                vocab_size: int = 32000) -> list[tuple[int, float]]:
+    """A deterministic stand-in for a model's sampler: ``num_samples`` (token, logprob) pairs.
+
+    The token depends only on (request, sample index, position) -- or, for beam search, on the
+    beam's tokens -- never on batching or preemption, so a run with preemption must produce
+    exactly the tokens of a run without it. For parallel sampling the i-th pair belongs to
+    sample i (used when the prompt forks into n sequences).
+    """
+    pos = len(seq)
+    if request.sampling_params.use_beam_search:
+        key = (request.request_id, tuple(seq.output_token_ids))
+        return [(hash((key, j, 0)) % vocab_size, -((hash((key, j, 1)) % 1000) + 1) / 100)
+                for j in range(num_samples)]
+    first = seq.index if num_samples == 1 else 0
+    return [(hash((request.request_id, first + i, pos)) % vocab_size, -1.0)
+            for i in range(num_samples)]
+
+
+def expected_tokens(prompt_token_ids: SequenceABC[int], request_id: int, index: int,
+                    num_tokens: int, vocab_size: int = 32000) -> list[int]:
+    """The tokens :func:`fake_sample` gives sample ``index`` of a non-beam request."""
+    p = len(prompt_token_ids)
+    return [hash((request_id, index, p + k)) % vocab_size for k in range(num_tokens)]

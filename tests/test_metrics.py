@@ -1,0 +1,104 @@
+"""vLLM-named Prometheus metrics, updated from the scheduler, scraped over real HTTP."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from course_lib.metrics import Metrics, serve_metrics
+from course_lib.scheduler import Scheduler
+from course_lib.scheduler_config import CacheConfig, SchedulerConfig
+from course_lib.sequence import SamplingParams, fake_sample
+
+pytestmark = pytest.mark.ch07
+
+
+def run(s: Scheduler, metrics: Metrics, steps: int | None = None) -> None:
+    t = 0
+    while s.has_unfinished_requests() and (steps is None or t < steps):
+        out = s.schedule()
+        samples = {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
+                   for e in out.scheduled if e.num_samples}
+        t += 1
+        finished = s.update(out, samples, now=0.5 * t)
+        metrics.update(s, out.num_prefill_tokens, out.num_decode_tokens)
+        metrics.observe_finished(finished)
+
+
+def small_scheduler(mode="recompute", caching=True):
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32,
+                                     max_model_len=64, preemption_mode=mode),
+                     CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8,
+                                 watermark=0.0, enable_prefix_caching=caching))
+
+
+def test_gauges_follow_the_queues_and_the_pools():
+    s = small_scheduler()
+    m = Metrics(s)
+    for i in range(6):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=20))
+    run(s, m, steps=3)
+    assert m.value("vllm:num_requests_running") == len(s.running) > 0
+    assert m.value("vllm:num_requests_waiting") == len(s.waiting)
+    assert m.value("vllm:num_requests_swapped") == len(s.swapped)
+    assert m.value("vllm:gpu_cache_usage_perc") == s.block_manager.usage().block_usage > 0.5
+    assert m.value("vllm:cpu_cache_usage_perc") == s.block_manager.usage("cpu").block_usage
+
+
+def test_counters_accumulate_and_histograms_count_requests():
+    s = small_scheduler()
+    m = Metrics(s)
+    for i in range(6):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=20), arrival_time=0.0)
+    run(s, m)
+    assert s.num_preemptions > 0
+    assert m.value("vllm:num_preemptions_total") == s.num_preemptions
+    stats = s.block_manager.prefix_cache_stats
+    assert m.value("vllm:prefix_cache_queries_total") == stats.queries > 0
+    assert m.value("vllm:prefix_cache_hits_total") == stats.hits > 0
+    assert m.value("vllm:generation_tokens_total") >= 6 * 19       # decode steps
+    assert m.value("vllm:time_to_first_token_seconds_count") == 6
+    assert m.value("vllm:time_per_output_token_seconds_count") == 6
+    assert m.value("vllm:gpu_cache_usage_perc") == 0.0                 # all done
+
+
+def test_two_engines_do_not_share_a_registry():
+    a, b = Metrics(small_scheduler()), Metrics(small_scheduler())
+    assert a.registry is not b.registry
+    with pytest.raises(ValueError, match="no sample"):
+        a.value("vllm:nonexistent")
+
+
+def test_scrape_over_http_and_parse():
+    s = small_scheduler(mode="swap")
+    m = Metrics(s)
+    for i in range(6):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=20))
+    run(s, m, steps=12)
+    assert s.swapped and m.value("vllm:cpu_cache_usage_perc") > 0    # something is on the CPU
+    server, port = serve_metrics(m)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    samples = {}
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for fam in families.values():
+        for sample in fam.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    label = (("model_name", "course-model"),)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:num_requests_swapped", "vllm:gpu_cache_usage_perc",
+                 "vllm:cpu_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert samples[(name, label)] == m.value(name), name
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert families["vllm:time_per_output_token_seconds"].type == "histogram"
+    info = [lbl for (name, lbl), v in samples.items() if name == "vllm:cache_config_info"]
+    assert len(info) == 1 and dict(info[0])["num_gpu_blocks"] == "16"
+    assert dict(info[0])["block_size"] == "4"
+    assert samples[("vllm:num_preemptions_total", label)] > 0

@@ -1,0 +1,78 @@
+"""SamplingParams validation, sequence token bookkeeping, the deterministic fake sampler."""
+
+from __future__ import annotations
+
+import pytest
+
+from course_lib.sequence import (
+    Request,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    expected_tokens,
+    fake_sample,
+)
+
+pytestmark = pytest.mark.ch07
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n must"), ({"beam_width": 0}, "beam_width"),
+    ({"n": 2, "beam_width": 2}, "either"),
+])
+def test_sampling_params_reject_bad_values(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        SamplingParams(**kwargs)
+
+
+def test_num_seqs_and_beam_flag():
+    assert SamplingParams(n=3).num_seqs == 3 and not SamplingParams(n=3).use_beam_search
+    beam = SamplingParams(beam_width=4)
+    assert beam.num_seqs == 4 and beam.use_beam_search
+
+
+def test_prefill_target_is_prompt_then_all_but_last_token():
+    seq = Sequence(0, (1, 2, 3))
+    assert seq.prefill_target == 3 and seq.needs_prefill and seq.last_token_id == 3
+    seq.output_token_ids += [7, 8]
+    assert seq.token_ids == [1, 2, 3, 7, 8] and len(seq) == 5
+    assert seq.prefill_target == 4 and seq.last_token_id == 8  # recompute: 8 is fed by decode
+    seq.num_computed_tokens = 4
+    assert not seq.needs_prefill
+
+
+def test_fork_copies_outputs_not_shares_them():
+    seq = Sequence(0, (1, 2), output_token_ids=[5])
+    child = seq.fork(1, 1)
+    child.output_token_ids.append(6)
+    assert seq.output_token_ids == [5] and child.token_ids == [1, 2, 5, 6] and child.index == 1
+
+
+def test_request_rejects_empty_prompt_and_reports_status():
+    with pytest.raises(ValueError, match="prompt"):
+        Request(0, (), SamplingParams())
+    req = Request(0, (1,), SamplingParams(), seqs=[Sequence(0, (1,))])
+    assert not req.is_finished and req.is_prefill
+    req.seqs[0].status = SequenceStatus.FINISHED_IGNORED
+    assert req.is_finished and SequenceStatus.FINISHED_IGNORED.is_finished
+    assert not SequenceStatus.SWAPPED.is_finished
+
+
+def test_fake_sampler_depends_only_on_request_index_and_position():
+    req = Request(7, (1, 2, 3), SamplingParams(n=3))
+    a, b = Sequence(0, (1, 2, 3), index=0), Sequence(99, (1, 2, 3), index=0)
+    assert fake_sample(req, a, 1) == fake_sample(req, b, 1)     # seq id does not matter
+    three = fake_sample(req, a, 3)
+    assert [t for t, _ in three] == [expected_tokens((1, 2, 3), 7, i, 1)[0] for i in range(3)]
+    c = Sequence(1, (1, 2, 3), index=2, output_token_ids=[three[2][0]])
+    assert fake_sample(req, c, 1)[0][0] == expected_tokens((1, 2, 3), 7, 2, 2)[1]
+
+
+def test_beam_candidates_depend_on_the_beam_tokens():
+    req = Request(1, (4, 5), SamplingParams(beam_width=2))
+    x = Sequence(0, (4, 5), output_token_ids=[1])
+    y = Sequence(5, (4, 5), output_token_ids=[1])
+    z = Sequence(6, (4, 5), output_token_ids=[2])
+    assert fake_sample(req, x, 4) == fake_sample(req, y, 4) != fake_sample(req, z, 4)
+    assert all(lp < 0 for _, lp in fake_sample(req, x, 4))
