@@ -1,0 +1,150 @@
+"""Command line: generate text with the tiny model, or replay a trace while serving /metrics.
+
+    python -m course_lib generate "And God said" --max-tokens 40
+    python -m course_lib generate "And God said" --n 2 --temperature 0.8 --seed 0
+    python -m course_lib generate "And God said" --beam-width 4
+    python -m course_lib serve-metrics --port 0 --trace sharegpt --num-requests 200
+    python -m course_lib serve-metrics --model-free --num-requests 2000 --hold 60
+
+``serve-metrics`` prints the URL of ``/metrics`` (127.0.0.1 only) first, then replays the
+trace with a progress bar: through the real engine and model (default; the metrics move while
+it runs), or through the model-free replay of ``course_lib.sim.replay`` (``--model-free``: the
+scheduler and block manager with a cost model; its metrics are served once it is done). With
+``--hold S`` the server stays up S seconds after the replay, for ``curl`` or Prometheus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__.split(
+        "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt with the tiny model")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=_positive(int), default=40)
+    gen.add_argument("--n", type=_positive(int), default=1, help="parallel samples")
+    gen.add_argument("--beam-width", type=_positive(int), default=1)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--block-size", type=int, default=16)
+    srv = sub.add_parser("serve-metrics", help="replay a trace while serving /metrics")
+    srv.add_argument("--port", type=int, default=0, help="0: any free port")
+    srv.add_argument("--trace", choices=("sharegpt", "alpaca"), default="sharegpt")
+    srv.add_argument("--num-requests", type=_positive(int), default=200)
+    srv.add_argument("--rate", type=_positive(float), default=float("inf"),
+                     help="requests per second (Poisson); default: all at once")
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--num-gpu-blocks", type=_positive(int), default=None,
+                     help="KV pool (default: 128 for the engine, 2048 model-free)")
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    srv.add_argument("--model-free", action="store_true",
+                     help="the cost-model replay (no model), 2,048-token ShareGPT lengths")
+    srv.add_argument("--hold", type=float, default=0.0,
+                     help="seconds to keep serving after the replay")
+    srv.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import LLMEngine
+    from .scheduler_config import CacheConfig
+    from .sequence import SamplingParams
+
+    torch.set_num_threads(1)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, n=args.n,
+                            beam_width=args.beam_width)
+    engine = LLMEngine(cache_config=CacheConfig(block_size=args.block_size, num_gpu_blocks=256))
+    out = engine.generate(args.prompt, params)[0]
+    for c in out.outputs:
+        label = f"[{c.index}]" if len(out.outputs) > 1 else ""
+        print(f"{label}{args.prompt}{c.text}")
+        if len(out.outputs) > 1 or args.beam_width > 1:
+            print(f"    ({len(c.token_ids)} tokens, logprob {c.cumulative_logprob:.2f}, "
+                  f"{c.finish_reason})")
+    return 0
+
+
+def cmd_serve_metrics(args: argparse.Namespace) -> int:
+    import torch
+
+    from .metrics import serve_metrics
+
+    torch.set_num_threads(1)
+    progress = not args.no_progress
+    if args.model_free:
+        from .scheduler_config import CacheConfig, SchedulerConfig
+        from .sim.replay import replay
+        from .sim.traces import alpaca_like, sharegpt_like
+
+        make = sharegpt_like if args.trace == "sharegpt" else alpaca_like
+        trace = make(args.num_requests, seed=args.seed, rate=args.rate)
+        result = replay(trace, SchedulerConfig(preemption_mode=args.preemption_mode),
+                        CacheConfig(block_size=args.block_size,
+                                    num_gpu_blocks=args.num_gpu_blocks or 2048,
+                                    num_cpu_blocks=args.num_gpu_blocks or 2048),
+                        progress=progress, with_metrics=True)
+        server, port = serve_metrics(result.metrics, args.port)
+        print(f"serving http://127.0.0.1:{port}/metrics", flush=True)
+        print("replay (model-free):", result.summary(), flush=True)
+    else:
+        from .engine import LLMEngine
+        from .scheduler_config import CacheConfig, SchedulerConfig
+        from .serving import model_trace, run_trace
+
+        blocks = args.num_gpu_blocks or 128
+        engine = LLMEngine(
+            scheduler_config=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=512,
+                                             max_model_len=256,
+                                             preemption_mode=args.preemption_mode),
+            cache_config=CacheConfig(block_size=args.block_size,
+                                     num_gpu_blocks=blocks, num_cpu_blocks=2 * blocks),
+            stop_token_ids=())
+        server, port = serve_metrics(engine.metrics, args.port)
+        print(f"serving http://127.0.0.1:{port}/metrics", flush=True)
+        trace = model_trace(args.trace, args.num_requests, seed=args.seed, rate=args.rate)
+        run = run_trace(engine, trace, progress=progress)
+        print(f"replay (engine): {len(run.outputs)} requests, {run.generated_tokens} tokens "
+              f"in {run.duration_s:.1f} s ({run.tokens_per_s:.0f} tokens/s), {run.num_steps} "
+              f"steps, {run.num_preemptions} preemptions", flush=True)
+    try:
+        if args.hold > 0:
+            print(f"holding /metrics for {args.hold:g} s", flush=True)
+            time.sleep(args.hold)
+    finally:
+        server.shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_serve_metrics(args)
+    except ValueError as exc:          # bad values a user can fix: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""LLMEngine: the serving loop that ties the scheduler, the block manager, the kernels and the
+model together (vLLM v0's ``LLMEngine``, in one page).
+
+One :meth:`LLMEngine.step`:
+
+1. ``scheduler.schedule()`` picks the batch and changes the block tables (allocate, append,
+   copy-on-write, swap, preempt), returning a :class:`~course_lib.scheduler_output.SchedulerOutput`.
+2. The :class:`~course_lib.model_runner.ModelRunner` executes its cache ops (swap-out,
+   swap-in, CoW copies: that order), then the forward pass over the scheduled tokens.
+3. The sampler turns each sampling entry's logits into (token, logprob) candidates.
+4. ``scheduler.update()`` appends the tokens, forks parallel samples and beams (sharing
+   blocks), and frees finished sequences; the engine then stops sequences that produced a
+   stop token (EOS), which the scheduler does not know about.
+5. :class:`~course_lib.metrics.Metrics` (vLLM's Prometheus names) are updated.
+
+:meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from .metrics import Metrics
+from .model import EOS_ID, ByteTokenizer, TinyLlama
+from .model_runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler
+from .scheduler_config import CacheConfig, SchedulerConfig
+from .scheduler_output import SchedulerOutput
+from .sequence import Request, SamplingParams, SequenceStatus
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence: sample ``index`` (parallel sampling) or the ``index``-th best
+    beam (beam search)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    finish_reason: str        # "stop" (EOS), "length", "aborted"
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt, its outputs and its timings (seconds)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int    # prompt tokens found in the prefix cache
+    num_preemptions: int
+    ttft: float | None        # arrival -> first token
+    latency: float | None     # arrival -> finished
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+
+_FINISH = {SequenceStatus.FINISHED_STOPPED: "stop",
+           SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+           SequenceStatus.FINISHED_ABORTED: "aborted",
+           SequenceStatus.FINISHED_IGNORED: "ignored"}
+
+
+def _num_generated(out: SchedulerOutput) -> int:
+    """Tokens a step generated: one per sampled candidate kept -- ``num_samples`` for a
+    prompt forking into n samples, 1 for a decode, ``beam_width`` per beam-search request."""
+    total, beams = 0, {}
+    for e in out.scheduled:
+        if not e.num_samples:
+            continue
+        if e.request.sampling_params.use_beam_search:
+            beams[id(e.request)] = e.request.sampling_params.beam_width
+        else:
+            total += e.num_samples
+    return total + sum(beams.values())
+
+
+class LLMEngine:
+    """Paged-KV serving of one model. Defaults fit the tiny model on a CPU.
+
+    ``scheduler_config.max_model_len`` defaults to (and may not exceed) the model's context.
+    ``cache_config.num_cpu_blocks > 0`` gives swap space (needed for ``preemption_mode="swap"``).
+    ``attn_impl``: see :func:`course_lib.model_runner.resolve_attn_impl`. ``stop_token_ids``:
+    a sequence that samples one stops (the token is kept), as ``generate_contiguous`` does;
+    beam search ignores them (the scheduler's beam step keeps ``beam_width`` live beams).
+    ``clock``: seconds, for the timestamps (tests may pass a fake one).
+    """
+
+    def __init__(self, model: TinyLlama | None = None,
+                 scheduler_config: SchedulerConfig | None = None,
+                 cache_config: CacheConfig | None = None, *, attn_impl: str = "auto",
+                 stop_token_ids: Sequence[int] = (EOS_ID,),
+                 clock: Callable[[], float] = time.perf_counter,
+                 model_name: str = "tiny-llama") -> None:
+        if model is None:
+            from .model import load_tiny_model
+
+            model = load_tiny_model()
+        context = model.config.max_position
+        if scheduler_config is None:
+            scheduler_config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
+                                               max_model_len=context)
+        if scheduler_config.max_model_len > context:
+            raise ValueError(f"max_model_len={scheduler_config.max_model_len} is past the "
+                             f"model's context ({context}); use max_model_len <= {context}")
+        cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256)
+        self.model = model
+        self.tokenizer = ByteTokenizer()
+        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.block_manager = self.scheduler.block_manager
+        self.runner = ModelRunner(model, cache_config.block_size, cache_config.num_gpu_blocks,
+                                  cache_config.num_cpu_blocks, attn_impl)
+        self.metrics = Metrics(self.scheduler, model_name)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.clock = clock
+        self._t0 = clock()
+        self._next_request_id = 0
+        self._seeds: dict[int, int] = {}
+        self._requests: dict[int, Request] = {}
+        self.last_output: SchedulerOutput | None = None
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    def now(self) -> float:
+        """Seconds since the engine started."""
+        return self.clock() - self._t0
+
+    # ----------------------------------------------------------------------- requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: int | None = None, arrival_time: float | None = None) -> int:
+        """Queue a prompt (text is encoded with BOS, or token ids as given); returns its id."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt must hold at least one token")
+        vocab = self.model.config.vocab_size
+        if not all(0 <= int(t) < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = self._next_request_id
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id} is already in use")
+        self._next_request_id = max(self._next_request_id, request_id + 1)
+        req = self.scheduler.add_request(request_id, ids, params,
+                                         self.now() if arrival_time is None else arrival_time)
+        self._requests[request_id] = req
+        self._seeds[request_id] = params.seed if params.seed is not None \
+            else random.getrandbits(62)
+        return request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request wherever it is and free its blocks; False if it is not running."""
+        done = self.scheduler.abort_request(request_id)
+        if done:
+            req = self._requests.pop(request_id)
+            req.finished_time = self.now()
+            self._seeds.pop(request_id, None)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the cache ops and the model, sample, update; returns the requests
+        that finished in this step."""
+        sched = self.scheduler
+        out = sched.schedule()
+        self.runner.execute_cache_ops(out)
+        logits = self.runner.execute_model(out.scheduled, self.block_manager)
+        samples = {e.seq.seq_id: sample(e, logits[e.seq.seq_id],
+                                        self._seeds[e.request.request_id])
+                   for e in out.scheduled if e.num_samples}
+        now = self.now()
+        finished = sched.update(out, samples, now)
+        finished += self._apply_stop_tokens(out, finished, now)
+        self.num_steps += 1
+        generated = _num_generated(out)
+        self.num_generated_tokens += generated
+        self.metrics.update(sched, out.num_prefill_tokens, generated)
+        self.metrics.observe_finished(finished)
+        self.last_output = out
+        return [self._output(r) for r in finished]
+
+    def _apply_stop_tokens(self, out: SchedulerOutput, finished: list[Request],
+                           now: float) -> list[Request]:
+        """Finish the sequences whose last token is a stop token (the scheduler only knows
+        max_tokens); returns the requests that finished because of it."""
+        if not self.stop_token_ids:
+            return []
+        done_ids = {id(r) for r in finished}
+        newly: list[Request] = []
+        for req in dict.fromkeys(e.request for e in out.scheduled if e.num_samples):
+            if req.sampling_params.use_beam_search or id(req) in done_ids:
+                continue
+            for seq in req.unfinished_seqs:
+                if seq.output_token_ids and seq.output_token_ids[-1] in self.stop_token_ids:
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                    self.block_manager.free(seq.seq_id)
+            if req.is_finished:
+                req.finished_time = now
+                req.finish_reason = "stop"
+                newly.append(req)
+        if newly:
+            gone = {id(r) for r in newly}
+            self.scheduler.running = [r for r in self.scheduler.running if id(r) not in gone]
+        return newly
+
+    def _output(self, req: Request) -> RequestOutput:
+        self._requests.pop(req.request_id, None)
+        self._seeds.pop(req.request_id, None)
+        seqs = req.seqs
+        if req.sampling_params.use_beam_search:
+            seqs = sorted((s for s in seqs if s.status != SequenceStatus.FINISHED_ABORTED),
+                          key=lambda s: (-s.cumulative_logprob, s.output_token_ids))
+        else:
+            seqs = sorted(seqs, key=lambda s: s.index)
+        outs = [CompletionOutput(i if req.sampling_params.use_beam_search else s.index,
+                                 list(s.output_token_ids),
+                                 self.tokenizer.decode(s.output_token_ids),
+                                 s.cumulative_logprob, _FINISH.get(s.status, "running"))
+                for i, s in enumerate(seqs)]
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        latency = None if req.finished_time is None else req.finished_time - req.arrival_time
+        return RequestOutput(req.request_id, list(req.prompt_token_ids), outs,
+                             req.num_cached_tokens, req.num_preemptions, ttft, latency)
+
+    # ----------------------------------------------------------------------- generate
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 progress: bool = False,
+                 on_step: Callable[[LLMEngine, SchedulerOutput], None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run ``prompts`` (all arriving now) to completion; outputs in the prompts' order.
+        ``on_step(engine, scheduler_output)`` is called after every step (for drawings)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"one SamplingParams per prompt: {len(prompts)} prompts, "
+                             f"{len(params)} params")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        wanted = set(ids)
+        done: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not progress, desc="generate", unit="req")
+        while wanted - done.keys():
+            if not self.has_unfinished_requests():
+                raise RuntimeError(f"requests {sorted(wanted - done.keys())} vanished")
+            for o in self.step():
+                if o.request_id in wanted:
+                    done[o.request_id] = o
+                    bar.update(1)
+            if on_step is not None:
+                on_step(self, self.last_output)
+        bar.close()
+        return [done[i] for i in ids]
+
+    # ------------------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """The scheduler's queues, the block tables and the pools agree."""
+        self.scheduler.check_invariants()
+        self.block_manager.check_invariants()
+
+    def num_held_blocks(self) -> int:
+        """GPU blocks held by sequences now (a shared block counts once)."""
+        bm = self.block_manager
+        return sum(1 for r in bm.gpu.ref_counts if r > 0)
+
+    def num_unshared_blocks(self) -> int:
+        """GPU blocks the running sequences would hold if nothing were shared."""
+        bm = self.block_manager
+        return sum(len(bm.get_table(s).blocks) for s in bm.seq_ids()
+                   if bm.get_table(s).device == "gpu")

@@ -1,0 +1,72 @@
+"""Paged attention for a whole batch in a few torch ops: the serving engine's CPU path.
+
+:func:`course_lib.kernels.reference.paged_attention_ref` is the spec: a Python loop over the
+sequences, clear but ~0.1 ms per sequence per layer, so a bigger batch buys nothing. Triton's
+interpreter is far slower still. This function does the same maths for every sequence at
+once: gather each sequence's blocks into a padded ``[num_seqs, max_len]`` K/V, pad the packed
+queries to ``[num_seqs, max_query_len]``, mask (causal + padding), one softmax. It is what
+lets continuous batching pay off on a CPU; on a GPU the engine uses the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Same contract as ``paged_attention_ref``: ``query [num_tokens, H, d]``, caches
+    ``[num_blocks, block_size, H_kv, d]``, ``block_tables [S, max_blocks]`` (-1 padded),
+    ``seq_lens [S]``, ``query_start_loc [S + 1]``. Returns ``[num_tokens, H, d]``."""
+    starts = query_start_loc.to(query.device).long()
+    q_lens = starts[1:] - starts[:-1]                                   # [S]
+    decode = q_lens == 1
+    if bool(decode.any()) and not bool(decode.all()):   # mixed batch: decodes apart, so that
+        out = torch.empty_like(query)                   # they are not padded to a prefill
+        for part in (decode, ~decode):
+            rows = torch.repeat_interleave(part, q_lens)                # tokens of the part
+            lens_p = q_lens[part]
+            loc = torch.zeros(lens_p.shape[0] + 1, dtype=torch.long, device=query.device)
+            loc[1:] = torch.cumsum(lens_p, 0)
+            out[rows] = paged_attention_batched(query[rows], key_cache, value_cache,
+                                                block_tables[part.to(block_tables.device)],
+                                                seq_lens[part.to(seq_lens.device)], loc, scale)
+        return out
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    dev = query.device
+    lens = seq_lens.to(dev).long()
+    num_seqs = lens.shape[0]
+    max_len, max_q = int(lens.max()), int(q_lens.max())
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].to(dev).long().clamp(min=0)  # [S, nb]
+    # K/V of every sequence, padded: [S, nb * block_size, H_kv, d] (slots past a length:
+    # garbage, masked below)
+    k = key_cache[tables].flatten(1, 2)[:, :max_len]
+    v = value_cache[tables].flatten(1, 2)[:, :max_len]
+    # zero the slots past each length: a masked score is exp(-inf) = 0, but 0 * NaN is NaN
+    past = (torch.arange(max_len, device=dev)[None, :] >= lens[:, None])[:, :, None, None]
+    k, v = k.masked_fill(past, 0.0), v.masked_fill(past, 0.0)
+    # the packed queries into [S, max_q]: token t of sequence s sits in row s, column i
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=dev), q_lens)   # [T]
+    col = torch.arange(num_tokens, device=dev) - starts[seq_of]                   # [T]
+    q = query.new_zeros(num_seqs, max_q, num_heads, head_dim)
+    q[seq_of, col] = query
+    # query i of sequence s sits at position seq_len - q_len + i and sees keys <= it
+    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q, device=dev)[None, :]    # [S, max_q]
+    k_pos = torch.arange(max_len, device=dev)
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]                 # [S, max_q, max_len]
+    allowed[:, :, 0] = True        # padded query rows see key 0 (their output is dropped)
+    # GQA without copying K/V: the g query heads of one KV head are stacked along the rows
+    group = num_heads // num_kv_heads
+    qh = q.float().view(num_seqs, max_q, num_kv_heads, group, head_dim) \
+        .permute(0, 2, 3, 1, 4)                                          # [S, Hkv, g, max_q, d]
+    kh = k.float().transpose(1, 2).unsqueeze(2)                         # [S, Hkv, 1, L, d]
+    vh = v.float().transpose(1, 2).unsqueeze(2)
+    scores = (qh @ kh.transpose(-1, -2)) * scale                        # [S, Hkv, g, max_q, L]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vh                            # [S, Hkv, g, max_q, d]
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, num_heads, head_dim)
+    return out[seq_of, col].to(query.dtype)                             # [T, H, d]

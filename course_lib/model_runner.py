@@ -1,0 +1,144 @@
+"""The model runner: KV-cache tensors, the block copies a step asks for, and one forward pass.
+
+The scheduler and the block manager decide *which* blocks hold what; they hold no tensors.
+The runner owns the tensors and turns their decisions into work (vLLM's ``CacheEngine`` +
+``ModelRunner``):
+
+* ``gpu_caches``: per layer ``(key_cache, value_cache)``, each ``[num_gpu_blocks, block_size,
+  num_kv_heads, head_dim]`` on the model's device; ``cpu_caches``: the same shape with
+  ``num_cpu_blocks`` blocks on the CPU, the swap space.
+* :meth:`ModelRunner.execute_cache_ops`: swap-out, swap-in, then copy-on-write copies, in
+  that order (the block manager's contract: a GPU block freed by a swap-out may be handed out
+  again, as a swap-in target or a copy target, in the same step).
+* :meth:`ModelRunner.prepare_inputs`: packs the scheduled entries into ``input_ids,
+  positions [num_tokens]`` and :class:`~course_lib.model.attention.AttentionMetadata` built
+  from the block manager's tables (context length = ``num_computed_tokens``).
+* :meth:`ModelRunner.execute_model`: the forward; returns the logits row of each entry that
+  samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .kernels.cache_ops import copy_blocks, swap_blocks
+from .kernels.reference import copy_blocks_ref
+from .memory import BlockManager
+from .model.attention import AttentionMetadata, make_attention_metadata
+from .model.llama import KVCache, TinyLlama, allocate_kv_caches
+from .scheduler_output import ScheduledSeq, SchedulerOutput
+
+ATTN_IMPLS = ("auto", "triton", "reference", "torch")
+
+
+def resolve_attn_impl(attn_impl: str, device: torch.device | str = "cpu") -> str:
+    """The kernels the engine runs. ``"auto"``: the compiled Triton kernels on a GPU; on a CPU
+    ``"torch"`` (:mod:`course_lib.model.batched_attention`: the batch in a few torch ops),
+    because Triton's interpreter costs ~10 ms per token per layer just to write the cache (a
+    tiny-model decode step: ~2 s instead of ~10 ms), and the reference loops over sequences.
+    ``"triton"`` forces the Triton kernels (interpreted on CPU: a few tokens only);
+    ``"reference"`` the torch spec of :mod:`course_lib.kernels.reference`. A model on the CPU
+    gets ``"torch"`` even on a GPU machine (the kernels need CUDA tensors)."""
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+    if attn_impl != "auto":
+        return attn_impl
+    from .device import BACKEND
+
+    on_cpu = torch.device(device).type != "cuda"
+    return "torch" if on_cpu or BACKEND.interpreted or not BACKEND.uses_triton else "auto"
+
+
+class ModelRunner:
+    """Cache tensors + forward pass for one model (see the module docstring)."""
+
+    def __init__(self, model: TinyLlama, block_size: int, num_gpu_blocks: int,
+                 num_cpu_blocks: int = 0, attn_impl: str = "auto") -> None:
+        self.model = model
+        self.block_size = block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.attn_impl = resolve_attn_impl(attn_impl, self.device)
+        cfg = model.config
+        self.gpu_caches: list[KVCache] = allocate_kv_caches(cfg, num_gpu_blocks, block_size,
+                                                            self.dtype, self.device)
+        self.cpu_caches: list[KVCache] = (
+            allocate_kv_caches(cfg, num_cpu_blocks, block_size, self.dtype, "cpu")
+            if num_cpu_blocks else [])
+        self.num_swapped_blocks = 0       # out + in, for reports
+        self.num_copied_blocks = 0        # copy-on-write copies
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        k = self.gpu_caches[0][0]
+        return 2 * len(self.gpu_caches) * k[0].numel() * k.element_size()
+
+    # ------------------------------------------------------------------------ cache ops
+    def execute_cache_ops(self, out: SchedulerOutput) -> None:
+        """Swap-out, swap-in, then CoW copies, on every layer (this order is the contract)."""
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            if not self.cpu_caches:
+                raise ValueError("the scheduler swapped blocks but the engine has no CPU swap "
+                                 "space: set CacheConfig.num_cpu_blocks > 0")
+        if out.blocks_to_swap_out:
+            pairs = torch.tensor(out.blocks_to_swap_out, dtype=torch.int64)   # (gpu, cpu)
+            for (gk, gv), (ck, cv) in zip(self.gpu_caches, self.cpu_caches, strict=True):
+                swap_blocks(gk, ck, pairs)
+                swap_blocks(gv, cv, pairs)
+        if out.blocks_to_swap_in:
+            pairs = torch.tensor(out.blocks_to_swap_in, dtype=torch.int64)    # (cpu, gpu)
+            for (gk, gv), (ck, cv) in zip(self.gpu_caches, self.cpu_caches, strict=True):
+                swap_blocks(ck, gk, pairs)
+                swap_blocks(cv, gv, pairs)
+        if out.blocks_to_copy:
+            pairs = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
+            for key_cache, value_cache in self.gpu_caches:
+                if self.attn_impl in ("reference", "torch"):
+                    copy_blocks_ref(key_cache, value_cache, pairs)
+                else:
+                    copy_blocks(key_cache, value_cache, pairs)
+        self.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        self.num_copied_blocks += len(out.blocks_to_copy)
+
+    # -------------------------------------------------------------------------- forward
+    def prepare_inputs(self, scheduled: Sequence[ScheduledSeq], bm: BlockManager
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Packed ``input_ids, positions [num_tokens]`` and the metadata of a batch.
+
+        Entry ``e`` feeds tokens ``ctx .. ctx + e.num_tokens - 1`` of its sequence, with
+        ``ctx = e.seq.num_computed_tokens`` (the scheduler's ``update`` advances it after the
+        forward); its block table already covers them (allocate / append_slots)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        tables, ctx_lens, q_lens = [], [], []
+        for e in scheduled:
+            ctx, q = e.seq.num_computed_tokens, e.num_tokens
+            tokens = e.seq.token_ids
+            if ctx + q > len(tokens):
+                raise ValueError(f"seq {e.seq.seq_id}: feeding tokens {ctx}..{ctx + q - 1} "
+                                 f"but it has {len(tokens)}")
+            ids += tokens[ctx:ctx + q]
+            positions += range(ctx, ctx + q)
+            tables.append(bm.get_block_table(e.seq.seq_id))
+            ctx_lens.append(ctx)
+            q_lens.append(q)
+        meta = make_attention_metadata(tables, ctx_lens, q_lens, self.block_size, self.device)
+        return (torch.tensor(ids, dtype=torch.int64, device=self.device),
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
+
+    @torch.no_grad()
+    def execute_model(self, scheduled: Sequence[ScheduledSeq], bm: BlockManager
+                      ) -> dict[int, torch.Tensor]:
+        """Run the forward over the batch; ``{seq_id: logits [vocab]}`` (float32, on the CPU)
+        of the last fed token of each entry with ``num_samples > 0``."""
+        if not scheduled:
+            return {}
+        input_ids, positions, meta = self.prepare_inputs(scheduled, bm)
+        logits = self.model(input_ids, positions, self.gpu_caches, meta,
+                            impl=self.attn_impl)                      # [num_tokens, vocab]
+        rows = meta.last_token_indices().to(logits.device)
+        last = logits.index_select(0, rows).cpu()                     # [num_seqs, vocab]
+        return {e.seq.seq_id: last[i] for i, e in enumerate(scheduled) if e.num_samples}

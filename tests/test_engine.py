@@ -1,0 +1,256 @@
+"""LLMEngine: paged generation equals the contiguous reference; sharing, preemption, metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import torch
+
+from course_lib.engine import LLMEngine
+from course_lib.metrics import serve_metrics
+from course_lib.model import EOS_ID, ByteTokenizer, generate_contiguous, load_tiny_model
+from course_lib.scheduler_config import CacheConfig, SchedulerConfig
+from course_lib.sequence import SamplingParams
+
+pytestmark = pytest.mark.ch10
+torch.set_num_threads(1)
+
+TOK = ByteTokenizer()
+PROMPTS = ["And God said", "In the beginning God created", "Jesus wept.",
+           "The LORD is my shepherd; I shall not want.", "Blessed are the"]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> list[list[int]]:
+    return [generate_contiguous(model, TOK.encode(p), GREEDY.max_tokens) for p in PROMPTS]
+
+
+def make_engine(model, *, block_size: int = 16, num_gpu_blocks: int = 128,
+                num_cpu_blocks: int = 0, prefix: bool = False, mode: str = "recompute",
+                max_num_seqs: int = 64, **kwargs) -> LLMEngine:
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                         max_model_len=model.config.max_position, preemption_mode=mode)
+    cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                     num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix)
+    return LLMEngine(model, sc, cc, **kwargs)
+
+
+def assert_all_blocks_back(engine: LLMEngine) -> None:
+    engine.check_invariants()
+    bm = engine.block_manager
+    assert not engine.has_unfinished_requests()
+    assert bm.seq_ids() == []
+    assert bm.num_free_gpu_blocks == bm.num_gpu_blocks
+    assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---------------------------------------------------------------- greedy == contiguous
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batched_greedy_equals_contiguous_generation(model, reference, block_size) -> None:
+    engine = make_engine(model, block_size=block_size)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert tokens(outs) == reference
+    # the prompts really were batched together, and EOS stops a sequence (kept, like the ref)
+    assert engine.num_steps < sum(len(r) for r in reference)
+    for o, ref in zip(outs, reference, strict=True):
+        assert o.outputs[0].finish_reason == ("stop" if ref[-1] == EOS_ID else "length")
+        assert o.text == TOK.decode(ref)
+    assert_all_blocks_back(engine)
+
+
+def test_prefix_caching_gives_the_same_tokens_and_hits_on_shared_prompts(model,
+                                                                        reference) -> None:
+    off = make_engine(model, block_size=4)
+    on = make_engine(model, block_size=4, prefix=True)
+    assert tokens(on.generate(PROMPTS, GREEDY)) == tokens(off.generate(PROMPTS, GREEDY))
+    assert on.block_manager.prefix_cache_stats.hits == 0       # nothing shared yet
+    # the same prompt again: its full blocks are hits, the tokens are unchanged
+    again = on.generate(PROMPTS[3], GREEDY)[0]
+    assert again.num_cached_tokens >= 4 * (len(TOK.encode(PROMPTS[3])) // 4 - 1) > 0
+    assert again.outputs[0].token_ids == reference[3]
+    # multi-turn: turn 2's prompt starts with turn 1's prompt and reply
+    turn1 = TOK.encode(PROMPTS[1]) + reference[1]
+    turn2 = turn1 + list(b" And he said")
+    got = on.generate([turn2], GREEDY)[0]
+    assert got.num_cached_tokens >= 4 * (len(turn1) // 4 - 1)
+    assert got.outputs[0].token_ids == generate_contiguous(model, turn2, GREEDY.max_tokens)
+    assert on.metrics.value("vllm:prefix_cache_hits_total") > 0
+    assert_all_blocks_back(on)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_in_a_tiny_pool_keeps_the_tokens(model, reference, mode) -> None:
+    """30 blocks of 4 tokens cannot hold 5 sequences of up to ~85 tokens: requests are
+    preempted (recomputed or swapped to the CPU pool) and still produce the same tokens."""
+    engine = make_engine(model, block_size=4, num_gpu_blocks=30, num_cpu_blocks=64, mode=mode)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert tokens(outs) == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.metrics.value("vllm:num_preemptions_total") == engine.scheduler.num_preemptions
+    assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
+    if mode == "swap":
+        assert engine.runner.num_swapped_blocks > 0
+    else:
+        assert engine.runner.num_swapped_blocks == 0
+    assert_all_blocks_back(engine)
+
+
+def test_seeded_sampling_is_unchanged_by_preemption_and_batching(model) -> None:
+    params = SamplingParams(max_tokens=50, temperature=0.8, top_p=0.9, seed=3)
+    alone = [make_engine(model, stop_token_ids=()).generate(p, params)[0].outputs[0].token_ids
+             for p in PROMPTS]
+    tight = make_engine(model, block_size=4, num_gpu_blocks=30, num_cpu_blocks=64, mode="swap",
+                        stop_token_ids=())
+    assert tokens(tight.generate(PROMPTS, params)) == alone
+    assert tight.scheduler.num_preemptions > 0
+
+
+# ---------------------------------------------------------------- sharing
+def test_parallel_sampling_shares_the_prompt_and_gives_n_reproducible_samples(model) -> None:
+    prompt = "In the beginning God created the heaven and the earth. And the earth"  # 70 tok
+    params = SamplingParams(max_tokens=24, temperature=0.9, n=4, seed=11)
+    engine = make_engine(model, block_size=16)
+    shared = []
+
+    def watch(e: LLMEngine, out) -> None:
+        if e.block_manager.seq_ids():
+            shared.append((e.num_held_blocks(), e.num_unshared_blocks()))
+
+    out = engine.generate(prompt, params, on_step=watch)[0]
+    samples = [c.token_ids for c in out.outputs]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4   # all different
+    # the 4 samples hold the prompt's 4 full blocks once, not 4 times
+    held, unshared = shared[0]
+    assert unshared - held >= 3 * (len(TOK.encode(prompt)) // 16)
+    assert all(h < u for h, u in shared)
+    assert engine.runner.num_copied_blocks > 0       # the shared partial block was copied
+    again = make_engine(model).generate(prompt, params)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+    other = make_engine(model).generate(prompt, SamplingParams(max_tokens=24, temperature=0.9,
+                                                               n=4, seed=12))[0]
+    assert [c.token_ids for c in other.outputs] != samples
+    assert_all_blocks_back(engine)
+
+
+def test_beam_search_returns_width_beams_by_score_sharing_blocks(model) -> None:
+    engine = make_engine(model, block_size=4)
+    seen = []
+    out = engine.generate("And God said", SamplingParams(max_tokens=20, beam_width=4),
+                          on_step=lambda e, o: seen.append((e.num_held_blocks(),
+                                                            e.num_unshared_blocks())))[0]
+    assert len(out.outputs) == 4
+    scores = [c.cumulative_logprob for c in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    assert all(len(c.token_ids) == 20 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
+    # the best beam scores at least as well as greedy decoding (its logprob is a candidate)
+    greedy = make_engine(model).generate("And God said", SamplingParams(
+        max_tokens=20, temperature=0.0, ))[0].outputs[0]
+    if len(greedy.token_ids) == 20:
+        assert scores[0] >= greedy.cumulative_logprob - 1e-4
+    live = [(h, u) for h, u in seen if u]
+    assert live and all(h < u for h, u in live)     # beams share their common prefix blocks
+    assert_all_blocks_back(engine)
+
+
+# ---------------------------------------------------------------- abort, metrics, errors
+def test_abort_frees_the_blocks_at_once(model) -> None:
+    engine = make_engine(model, block_size=4)
+    a = engine.add_request("And God said", GREEDY)
+    b = engine.add_request("Jesus wept. And", SamplingParams(max_tokens=30, n=3, seed=0))
+    engine.step()
+    engine.step()
+    assert engine.num_held_blocks() > 0
+    held = engine.num_held_blocks()
+    assert engine.abort_request(b) and not engine.abort_request(b)
+    assert 0 < engine.num_held_blocks() < held          # b's blocks are back, a's are not
+    engine.step()                                       # a keeps running alone
+    assert [r.request_id for r in engine.scheduler.running] == [a]
+    assert engine.abort_request(a)
+    engine.check_invariants()
+    assert engine.num_held_blocks() == 0
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert_all_blocks_back(engine)
+
+
+def test_metrics_are_scraped_over_http(model) -> None:
+    engine = make_engine(model)
+    engine.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0.0))
+    server, port = serve_metrics(engine.metrics)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    finally:
+        server.shutdown()
+    text = text.decode()
+    prompt_tokens = sum(len(TOK.encode(p)) for p in PROMPTS[:3])
+    assert f'vllm:prompt_tokens_total{{model_name="tiny-llama"}} {float(prompt_tokens)}' in text
+    gen = engine.metrics.value("vllm:generation_tokens_total")
+    assert gen == engine.num_generated_tokens > 0
+    assert 'vllm:time_to_first_token_seconds_count{model_name="tiny-llama"} 3.0' in text
+    assert 'vllm:num_requests_running{model_name="tiny-llama"} 0.0' in text
+
+
+def test_bad_input_is_rejected_without_changing_state(model) -> None:
+    engine = make_engine(model)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(model, SchedulerConfig(max_model_len=1024, max_num_batched_tokens=1024))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, 2, 999])
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="attn_impl"):
+        make_engine(model, attn_impl="fast")
+    rid = engine.add_request("x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("y", request_id=rid)
+    with pytest.raises(ValueError, match="one SamplingParams per prompt"):
+        engine.generate(["a", "b"], [GREEDY])
+    assert len(engine.scheduler.waiting) == 1
+
+
+def test_prompt_longer_than_the_context_is_ignored_not_run(model) -> None:
+    engine = make_engine(model)
+    out = engine.generate([[65] * 300, TOK.encode("And")], SamplingParams(max_tokens=3,
+                                                                          temperature=0.0))
+    assert out[0].outputs[0].finish_reason == "ignored" and out[0].outputs[0].token_ids == []
+    assert len(out[1].outputs[0].token_ids) == 3
+    assert_all_blocks_back(engine)
+
+
+def test_triton_kernels_path_gives_the_reference_tokens(model, reference) -> None:
+    """The interpreted Triton kernels (reshape_and_cache, prefill, decode, copy_blocks) run
+    the same engine step; a few tokens only (the interpreter is slow)."""
+    engine = make_engine(model, block_size=4, attn_impl="triton")
+    out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))
+    assert out[0].outputs[0].token_ids == reference[0][:3]
+    assert_all_blocks_back(engine)
+
+
+@pytest.mark.gpu
+def test_engine_on_cuda_gives_the_contiguous_tokens_with_swap_and_forks() -> None:
+    """Compiled Triton kernels: reshape_and_cache, prefill, decode, copy_blocks, and swaps
+    between the GPU cache and the CPU swap space."""
+    cuda_model = load_tiny_model(device="cuda")
+    ref = [generate_contiguous(cuda_model, TOK.encode(p), GREEDY.max_tokens) for p in PROMPTS]
+    engine = make_engine(cuda_model, block_size=4, num_gpu_blocks=30, num_cpu_blocks=64,
+                         mode="swap")
+    assert engine.runner.attn_impl == "auto"
+    assert tokens(engine.generate(PROMPTS, GREEDY)) == ref
+    assert engine.runner.num_swapped_blocks > 0
+    fork = engine.generate("And God said unto Moses, I", SamplingParams(max_tokens=8, n=3,
+                                                                         temperature=0.0))
+    assert len({tuple(c.token_ids) for c in fork[0].outputs}) == 1
+    assert engine.runner.num_copied_blocks > 0
+    assert_all_blocks_back(engine)

@@ -1,0 +1,115 @@
+"""Chapters 10 and 11: each exercise checker passes the library's solution and fails a wrong
+one; the capstone's reference step loop equals LLMEngine; the chapter drawings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import capacity as cap
+from course_lib.engine import LLMEngine
+from course_lib.exercises import ch10, ch11
+from course_lib.model import ByteTokenizer, load_tiny_model
+from course_lib.model_runner import ModelRunner
+from course_lib.scheduler_config import CacheConfig, SchedulerConfig
+from course_lib.sequence import SamplingParams
+from course_lib.viz.serving import TableHistory, draw_sharing, draw_table_growth
+
+pytestmark = [pytest.mark.ch10, pytest.mark.ch11]
+torch.set_num_threads(1)
+TOK = ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_tiny_model()
+
+
+def not_attempted(*args):
+    raise NotImplementedError
+
+
+# ---------------------------------------------------------------- chapter 10
+def test_ch10_checkers_pass_the_library_and_fail_wrong_answers() -> None:
+    assert ch10.check_step_slots(ch10.step_slots).ok
+    assert ch10.check_beam_candidates(ch10.beam_candidates).ok
+    assert ch10.check_sharing_saving(ch10.sharing_saving).ok
+    # wrong: forgets the offset inside the block / sorts worst first / counts entries twice
+    off = ch10.check_step_slots(lambda t, c, n, bs: [t[p // bs] * bs for p in range(c, c + n)])
+    assert not off.ok and "first difference" in str(off)
+    worst = ch10.check_beam_candidates(lambda lg, w: ch10.beam_candidates(lg, w)[::-1])
+    assert not worst.ok
+    assert not ch10.check_sharing_saving(lambda ts: 0.0).ok
+    for checker in (ch10.check_step_slots, ch10.check_beam_candidates,
+                    ch10.check_sharing_saving):
+        assert "not attempted yet" in str(checker(not_attempted))
+
+
+def test_ch10_drawings_show_tables_and_sharing(model) -> None:
+    engine = LLMEngine(model, cache_config=CacheConfig(block_size=4, num_gpu_blocks=48))
+    history = TableHistory()
+    engine.generate(["And God said", "In the"], SamplingParams(max_tokens=10, temperature=0.0),
+                    on_step=history)
+    assert history.request_ids() == [0, 1]
+    n = len(TOK.encode("And God said"))
+    assert [s[0][0] for s in history.steps[:3]] == [n, n + 1, n + 2]   # one slot per step
+    fig = draw_table_growth(history, block_size=4)
+    assert len(fig.axes) == 2 and fig.axes[0].get_title().startswith("request 0")
+    beams = TableHistory()
+    engine.generate("And God said", SamplingParams(max_tokens=8, beam_width=3), on_step=beams)
+    assert any(h < u for h, u in beams.shared)
+    assert draw_sharing(beams, "x").axes[0].get_ylabel() == "GPU blocks"
+
+
+# ---------------------------------------------------------------- chapter 11
+def test_ch11_pool_blocks_matches_the_runners_tensors(model) -> None:
+    runner = ModelRunner(model, block_size=16, num_gpu_blocks=2, attn_impl="reference")
+    c = model.config
+    assert ch11.pool_blocks(10 * runner.kv_bytes_per_block, 16, c.num_layers, c.num_kv_heads,
+                            c.head_dim, 4) == 10
+    assert cap.block_bytes(ch11.tiny_spec(model), 16) == runner.kv_bytes_per_block
+    assert ch11.check_pool_blocks(ch11.pool_blocks).ok
+    wrong = ch11.check_pool_blocks(lambda b, bs, L, h, d, by: b // (bs * L * h * d * by))
+    assert not wrong.ok                                       # forgot V (the factor 2)
+    assert "not attempted yet" in str(ch11.check_pool_blocks(not_attempted))
+
+
+def test_ch11_reference_loop_equals_llm_engine_and_preempts(model) -> None:
+    for prompts, max_tokens, n, bs, gpu, cpu, mode in ch11.WORKLOADS:
+        ids = [TOK.encode(p) for p in prompts]
+        got = ch11.run_loop(ch11.mini_step, model, ids, max_tokens, n, bs, gpu, cpu, mode)
+        engine = LLMEngine(model, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
+                                                  max_model_len=256, preemption_mode=mode),
+                           CacheConfig(bs, gpu, cpu), stop_token_ids=())
+        outs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, n=n,
+                                                   temperature=0.0))
+        assert got == [[c.token_ids for c in o.outputs] for o in outs]
+        if gpu == 20:
+            assert engine.scheduler.num_preemptions > 0
+        if mode == "swap" and gpu == 20:
+            assert engine.runner.num_swapped_blocks > 0
+        if n > 1:
+            assert engine.runner.num_copied_blocks > 0
+
+
+def test_ch11_checker_passes_the_reference_and_catches_a_skipped_cache_op(model) -> None:
+    assert ch11.check_mini_step(ch11.mini_step, model).ok
+    assert "not attempted yet" in str(ch11.check_mini_step(not_attempted, model))
+
+    def no_swap_in(eng):                    # forgets to bring swapped blocks back
+        out_pairs = []
+        real = eng.sched.schedule
+
+        def schedule():
+            out = real()
+            out_pairs.append(list(out.blocks_to_swap_in))
+            out.blocks_to_swap_in.clear()
+            return out
+        eng.sched.schedule = schedule
+        try:
+            return ch11.mini_step(eng)
+        finally:
+            eng.sched.schedule = real
+
+    verdict = ch11.check_mini_step(no_swap_in, model)
+    assert not verdict.ok and verdict.passed >= 4       # only the swap workloads differ
