@@ -7,9 +7,9 @@
     python -m course_lib serve-metrics --model-free --num-requests 2000 --hold 60
 
 ``serve-metrics`` prints the URL of ``/metrics`` (127.0.0.1 only) first, then replays the
-trace with a progress bar: through the real engine and model (default; the metrics move while
-it runs), or through the model-free replay of ``course_lib.sim.replay`` (``--model-free``: the
-scheduler and block manager with a cost model; its metrics are served once it is done). With
+trace with a progress bar, the metrics moving while it runs: through the real engine and model
+(default), or through the model-free replay of ``course_lib.sim.replay`` (``--model-free``: the
+scheduler and block manager with a cost model). With
 ``--hold S`` the server stays up S seconds after the replay, for ``curl`` or Prometheus.
 """
 
@@ -98,13 +98,18 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
 
         make = sharegpt_like if args.trace == "sharegpt" else alpaca_like
         trace = make(args.num_requests, seed=args.seed, rate=args.rate)
+        served = []
+
+        def serve(metrics):                    # /metrics is up before the first step
+            served.extend(serve_metrics(metrics, args.port))
+            print(f"serving http://127.0.0.1:{served[1]}/metrics", flush=True)
+
         result = replay(trace, SchedulerConfig(preemption_mode=args.preemption_mode),
                         CacheConfig(block_size=args.block_size,
                                     num_gpu_blocks=args.num_gpu_blocks or 2048,
                                     num_cpu_blocks=args.num_gpu_blocks or 2048),
-                        progress=progress, with_metrics=True)
-        server, port = serve_metrics(result.metrics, args.port)
-        print(f"serving http://127.0.0.1:{port}/metrics", flush=True)
+                        progress=progress, on_metrics=serve)
+        server, port = served
         print("replay (model-free):", result.summary(), flush=True)
     else:
         from .engine import LLMEngine

@@ -9,8 +9,8 @@ One :meth:`LLMEngine.step`:
    swap-in, CoW copies: that order), then the forward pass over the scheduled tokens.
 3. The sampler turns each sampling entry's logits into (token, logprob) candidates.
 4. ``scheduler.update()`` appends the tokens, forks parallel samples and beams (sharing
-   blocks), and frees finished sequences; the engine then stops sequences that produced a
-   stop token (EOS), which the scheduler does not know about.
+   blocks), and finishes and frees sequences that drew a stop token (the engine adds its
+   ``stop_token_ids``, EOS by default, to each request's ``SamplingParams``) or hit a limit.
 5. :class:`~course_lib.metrics.Metrics` (vLLM's Prometheus names) are updated.
 
 :meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm.auto import tqdm
 
@@ -89,9 +89,10 @@ class LLMEngine:
 
     ``scheduler_config.max_model_len`` defaults to (and may not exceed) the model's context.
     ``cache_config.num_cpu_blocks > 0`` gives swap space (needed for ``preemption_mode="swap"``).
-    ``attn_impl``: see :func:`course_lib.model_runner.resolve_attn_impl`. ``stop_token_ids``:
-    a sequence that samples one stops (the token is kept), as ``generate_contiguous`` does;
-    beam search ignores them (the scheduler's beam step keeps ``beam_width`` live beams).
+    ``attn_impl``: see :func:`course_lib.model_runner.resolve_attn_impl`. ``stop_token_ids``
+    are added to every request's ``SamplingParams.stop_token_ids``: a sequence that samples one
+    stops (the token is kept), as ``generate_contiguous`` does; beam search ignores them (the
+    scheduler's beam step keeps ``beam_width`` live beams).
     ``clock``: seconds, for the timestamps (tests may pass a fake one).
     """
 
@@ -145,6 +146,9 @@ class LLMEngine:
         if not all(0 <= int(t) < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
         params = params or SamplingParams()
+        extra = tuple(t for t in sorted(self.stop_token_ids) if t not in params.stop_token_ids)
+        if extra:                              # the engine's stop tokens (EOS) join the request's
+            params = replace(params, stop_token_ids=params.stop_token_ids + extra)
         if request_id is None:
             request_id = self._next_request_id
         if request_id in self._requests:
@@ -182,7 +186,6 @@ class LLMEngine:
                    for e in out.scheduled if e.num_samples}
         now = self.now()
         finished = sched.update(out, samples, now)
-        finished += self._apply_stop_tokens(out, finished, now)
         self.num_steps += 1
         generated = _num_generated(out)
         self.num_generated_tokens += generated
@@ -190,30 +193,6 @@ class LLMEngine:
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]
-
-    def _apply_stop_tokens(self, out: SchedulerOutput, finished: list[Request],
-                           now: float) -> list[Request]:
-        """Finish the sequences whose last token is a stop token (the scheduler only knows
-        max_tokens); returns the requests that finished because of it."""
-        if not self.stop_token_ids:
-            return []
-        done_ids = {id(r) for r in finished}
-        newly: list[Request] = []
-        for req in dict.fromkeys(e.request for e in out.scheduled if e.num_samples):
-            if req.sampling_params.use_beam_search or id(req) in done_ids:
-                continue
-            for seq in req.unfinished_seqs:
-                if seq.output_token_ids and seq.output_token_ids[-1] in self.stop_token_ids:
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                    self.block_manager.free(seq.seq_id)
-            if req.is_finished:
-                req.finished_time = now
-                req.finish_reason = "stop"
-                newly.append(req)
-        if newly:
-            gone = {id(r) for r in newly}
-            self.scheduler.running = [r for r in self.scheduler.running if id(r) not in gone]
-        return newly
 
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)

@@ -36,7 +36,7 @@ def _candidates(samples: Mapping[int, SequenceABC[tuple[int, float]]],
 def apply_samples(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
                   samples: Mapping[int, SequenceABC[tuple[int, float]]]) -> None:
     """Append the step's tokens of ``req`` (``entries``: its entries that sampled), then
-    finish the sequences that reached ``max_tokens`` or ``max_model_len``."""
+    finish the sequences that drew a stop token or reached ``max_tokens`` / ``max_model_len``."""
     bm = sched.block_manager
     if req.sampling_params.use_beam_search:
         _beam_step(sched, req, entries, samples)
@@ -51,13 +51,18 @@ def apply_samples(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
             req.seqs += children
             for s, (token, logprob) in zip([seq, *children], cands, strict=True):
                 _append(s, token, logprob)
-    max_tokens, max_len = req.sampling_params.max_tokens, sched.config.max_model_len
+    params, max_len = req.sampling_params, sched.config.max_model_len
+    stop = () if params.use_beam_search else params.stop_token_ids
     for seq in req.unfinished_seqs:
-        if len(seq.output_token_ids) >= max_tokens or len(seq) >= max_len:
+        if stop and seq.output_token_ids and seq.output_token_ids[-1] in stop:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            bm.free(seq.seq_id)
+        elif len(seq.output_token_ids) >= params.max_tokens or len(seq) >= max_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
             bm.free(seq.seq_id)
     if req.is_finished:
-        req.finish_reason = "length"
+        stopped = all(s.status == SequenceStatus.FINISHED_STOPPED for s in req.seqs)
+        req.finish_reason = "stop" if stopped else "length"
 
 
 def _beam_step(sched: Scheduler, req: Request, entries: list[ScheduledSeq],

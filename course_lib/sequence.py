@@ -38,6 +38,8 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1                # parallel samples: n sequences forked from the prompt
     beam_width: int = 1       # > 1: beam search keeping that many beams
+    stop_token_ids: tuple[int, ...] = ()  # a sample that draws one stops (the token is kept);
+                                          # beam search ignores them and runs to max_tokens
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -50,6 +52,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"use either n > 1 (parallel sampling) or beam_width > 1, "
                              f"got n={self.n}, beam_width={self.beam_width}")

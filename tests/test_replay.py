@@ -164,3 +164,16 @@ def test_swap_space_in_blocks():
     assert cc.num_cpu_blocks == 512 and cc.num_gpu_blocks == 100
     with pytest.raises(ValueError, match="swap_space"):
         CacheConfig.from_swap_space(-1.0, 1024)
+
+
+def test_on_metrics_hands_over_the_metrics_before_the_first_step():
+    seen = []
+
+    def on_metrics(metrics):       # e.g. serve_metrics(metrics) while the replay runs
+        seen.append((metrics, metrics.value("vllm:num_requests_running")))
+
+    r = replay(sharegpt_like(5, seed=1, max_total_len=256), SchedulerConfig(max_model_len=256),
+               CacheConfig(num_gpu_blocks=40), on_metrics=on_metrics)
+    assert len(seen) == 1 and seen[0][1] == 0          # nothing running yet when handed over
+    assert seen[0][0] is r.metrics                     # the same collectors, updated to the end
+    assert r.metrics.value("vllm:time_to_first_token_seconds_count") == 5

@@ -353,3 +353,30 @@ def test_abort_a_swapped_and_a_waiting_request():
     s.check_invariants()
     drain(s)
     assert s.block_manager.num_free_gpu_blocks == 9
+
+
+def test_a_stop_token_finishes_the_sample_that_draws_it_and_frees_its_blocks():
+    s = make(num_gpu_blocks=64)
+    params = SamplingParams(max_tokens=50, n=2)
+    s.add_request(0, prompt(9), params)
+    step(s)                                       # prefill: the prompt forks into 2 samples
+    req = s.running[0]
+    first, second = req.seqs
+    stop_token = expected_tokens(req.prompt_token_ids, 0, first.index, 2)[-1]  # `first`'s next
+    assert stop_token != expected_tokens(req.prompt_token_ids, 0, second.index, 2)[-1]
+    req.sampling_params = SamplingParams(max_tokens=50, n=2, stop_token_ids=(stop_token,))
+    free_before = s.block_manager.num_free_gpu_blocks
+    step(s)
+    assert first.status == SequenceStatus.FINISHED_STOPPED
+    assert first.output_token_ids[-1] == stop_token            # the stop token is kept
+    assert not s.block_manager.has_seq(first.seq_id)           # and its blocks are released
+    assert second.status == SequenceStatus.RUNNING and req in s.running
+    assert s.block_manager.num_free_gpu_blocks > free_before - 1
+    _, finished = drain(s)
+    assert finished == [req] and req.finish_reason in ("stop", "length")
+    assert s.block_manager.num_free_gpu_blocks == 64
+
+
+def test_stop_token_ids_must_be_token_ids():
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(-1,))

@@ -10,7 +10,7 @@ swapped bytes a replay reports are those of the real policies.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -220,17 +220,21 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
            cache_config: CacheConfig | None = None, cost_model: CostModel | None = None, *,
            victim_policy: VictimPolicy = last_arrived_first, progress: bool = False,
            record_batches: bool = False, with_metrics: bool = False,
+           on_metrics: Callable[[Metrics], object] | None = None,
            check_invariants: bool = False, max_steps: int = 10_000_000) -> ReplayResult:
     """Run every request of ``trace`` to completion; time advances by the cost model.
 
     ``record_batches`` keeps each step's batch (for the timeline widget; memory grows with
     the trace). ``with_metrics`` keeps a :class:`Metrics` (vLLM's Prometheus names) updated
-    every step in ``result.metrics``. ``check_invariants`` checks the scheduler and the block
-    manager after every call (slow; for tests).
+    every step in ``result.metrics``; ``on_metrics(metrics)`` is called once it exists, before
+    the first step (e.g. to serve ``/metrics`` while the replay runs). ``check_invariants``
+    checks the scheduler and the block manager after every call (slow; for tests).
     """
     cost = cost_model or CostModel()
     sched = Scheduler(scheduler_config, cache_config, victim_policy)
-    metrics = Metrics(sched) if with_metrics else None
+    metrics = Metrics(sched) if with_metrics or on_metrics else None
+    if on_metrics is not None:
+        on_metrics(metrics)
     bm, bs = sched.block_manager, sched.cache_config.block_size
     total_slots = max(1, bm.num_gpu_blocks * bs)
     trace = sorted(trace, key=lambda t: (t.arrival_time, t.request_id))
