@@ -25,6 +25,8 @@ if BACKEND.uses_triton:
     import triton
     import triton.language as tl
 
+    from course_lib.kernels.paged_load import load_kv_tile
+
     @triton.jit
     def _paged_prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -74,17 +76,10 @@ if BACKEND.uses_triton:
         for tile_start in range(0, kv_end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)
             valid = pos < kv_end
-            page = tl.load(table + (pos // block_size) * stride_btb, mask=valid, other=0)
-            page = page.to(tl.int64)                           # before any stride product
-            slot = (pos % block_size).to(tl.int64)
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                        + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                        + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, kv_head,
+                                block_size, stride_btb,
+                                stride_kb, stride_ks, stride_kh, stride_kd,
+                                stride_vb, stride_vs, stride_vh, stride_vd, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             see = valid[None, :] & (pos[None, :] <= q_pos[:, None])   # causal [BLOCK_M, TILE_N]
             s = tl.where(see, s, float("-inf"))
