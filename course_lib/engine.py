@@ -197,12 +197,7 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)
         self._seeds.pop(req.request_id, None)
-        seqs = req.seqs
-        if req.sampling_params.use_beam_search:
-            seqs = sorted((s for s in seqs if s.status != SequenceStatus.FINISHED_ABORTED),
-                          key=lambda s: (-s.cumulative_logprob, s.output_token_ids))
-        else:
-            seqs = sorted(seqs, key=lambda s: s.index)
+        seqs = req.ordered_seqs()
         outs = [CompletionOutput(i if req.sampling_params.use_beam_search else s.index,
                                  list(s.output_token_ids),
                                  self.tokenizer.decode(s.output_token_ids),

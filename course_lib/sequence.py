@@ -167,15 +167,16 @@ class Request:
     def num_output_tokens(self) -> int:
         return max((len(s.output_token_ids) for s in self.seqs), default=0)
 
-    def outputs(self) -> list[list[int]]:
-        """Generated tokens of each sequence: by sample index, or best beam first."""
-        seqs = self.seqs
+    def ordered_seqs(self) -> list[Sequence]:
+        """The sequences to report: by sample index, or the kept beams, best first."""
         if self.sampling_params.use_beam_search:
-            seqs = sorted((s for s in seqs if s.status != SequenceStatus.FINISHED_ABORTED),
+            return sorted((s for s in self.seqs if s.status != SequenceStatus.FINISHED_ABORTED),
                           key=lambda s: (-s.cumulative_logprob, s.output_token_ids))
-        else:
-            seqs = sorted(seqs, key=lambda s: s.index)
-        return [list(s.output_token_ids) for s in seqs]
+        return sorted(self.seqs, key=lambda s: s.index)
+
+    def outputs(self) -> list[list[int]]:
+        """Generated tokens of each sequence, in :meth:`ordered_seqs` order."""
+        return [list(s.output_token_ids) for s in self.ordered_seqs()]
 
 
 def fake_sample(request: Request, seq: Sequence, num_samples: int,
