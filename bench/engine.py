@@ -2,11 +2,11 @@
 KV memory saved by sharing (printed, never asserted).
 
 1. **Throughput** (generated tokens / wall-clock second, one CPU thread): a ShareGPT-like
-   trace scaled to the model's 256-token context (``course_lib.serving.model_trace``), all
-   requests at t=0, through ``LLMEngine`` (paging + continuous batching, recompute
-   preemption) and through the static baseline ``course_lib.serving.run_static`` (a contiguous
-   256-slot cache per request, static batches) with the same model and kernels at the same KV
-   memory (``num_gpu_blocks x block_size`` slots). Two baselines: "static" computes a
+   trace scaled to the model's 256-token context (``course_lib.engine.workloads.model_trace``),
+   all requests at t=0, through ``LLMEngine`` (paging + continuous batching, recompute
+   preemption) and through the static baseline ``course_lib.engine.workloads.run_static`` (a
+   contiguous 256-slot cache per request, static batches) with the same model and kernels at
+   the same KV memory (``num_gpu_blocks x block_size`` slots). Two baselines: "static" computes a
    finished request as padding until its batch ends (a fixed-shape batch, as FasterTransformer
    or a padded ``generate`` run); "static, no padding" stops computing it (kinder). Target:
    paged / static >= 2.5x.
@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.engine import LLMEngine  # noqa: E402
+from course_lib.engine.workloads import model_trace, run_static, run_trace, sharing_savings  # noqa: E402
 from course_lib.model import load_tiny_model  # noqa: E402
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.sequence import SamplingParams  # noqa: E402
-from course_lib.serving import model_trace, run_static, run_trace, sharing_savings  # noqa: E402
 from course_lib.sim.traces import trace_summary  # noqa: E402
 
 PAPER_ALPACA = {"parallel": (6.1, 9.8), "beam": (37.6, 55.2)}

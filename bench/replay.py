@@ -33,9 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from course_lib import capacity as cap  # noqa: E402
+from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.scheduler import Scheduler  # noqa: E402
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig  # noqa: E402
-from course_lib.sequence import SamplingParams, fake_sample  # noqa: E402
+from course_lib.sequence import SamplingParams  # noqa: E402
+from course_lib.sim.fake_sampler import fake_samples  # noqa: E402
 from course_lib.sim.replay import CostModel, replay  # noqa: E402
 from course_lib.sim.traces import sharegpt_like  # noqa: E402
 
@@ -88,8 +89,7 @@ def cost_per_step(num_seqs: int, steps: int) -> tuple[float, float]:
 
     def one_step() -> int:
         out = s.schedule()
-        samples = {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                   for e in out.scheduled if e.num_samples}
+        samples = fake_samples(out)
         s.update(out, samples)
         return len(out.scheduled)
 
@@ -127,7 +127,7 @@ def table_scaling(sizes: list[int], steps: int) -> None:
 
 
 def table_static(num_requests: int, budget: cap.KVBudget, num_paper_requests: int) -> None:
-    from course_lib.sim.claims import OPT_13B, paper_kv_budget, run_systems
+    from course_lib.claims.paper import OPT_13B, paper_kv_budget, run_systems
 
     paper = paper_kv_budget()
     max_len = 2048

@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .config import CacheConfig
     from .engine import LLMEngine
-    from .scheduler_config import CacheConfig
     from .sequence import SamplingParams
 
     torch.set_num_threads(1)
@@ -87,12 +87,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve_metrics(args: argparse.Namespace) -> int:
     import torch
 
-    from .metrics import serve_metrics
+    from .scheduler.metrics import serve_metrics
 
     torch.set_num_threads(1)
     progress = not args.no_progress
     if args.model_free:
-        from .scheduler_config import CacheConfig, SchedulerConfig
+        from .config import CacheConfig, SchedulerConfig
         from .sim.replay import replay
         from .sim.traces import alpaca_like, sharegpt_like
 
@@ -112,9 +112,9 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
         server, port = served
         print("replay (model-free):", result.summary(), flush=True)
     else:
+        from .config import CacheConfig, SchedulerConfig
         from .engine import LLMEngine
-        from .scheduler_config import CacheConfig, SchedulerConfig
-        from .serving import model_trace, run_trace
+        from .engine.workloads import model_trace, run_trace
 
         blocks = args.num_gpu_blocks or 128
         engine = LLMEngine(

@@ -20,7 +20,6 @@ a normal decode step, so the tokens it generates are the ones it would have gene
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 
@@ -177,29 +176,3 @@ class Request:
     def outputs(self) -> list[list[int]]:
         """Generated tokens of each sequence, in :meth:`ordered_seqs` order."""
         return [list(s.output_token_ids) for s in self.ordered_seqs()]
-
-
-def fake_sample(request: Request, seq: Sequence, num_samples: int,
-                vocab_size: int = 32000) -> list[tuple[int, float]]:
-    """A deterministic stand-in for a model's sampler: ``num_samples`` (token, logprob) pairs.
-
-    The token depends only on (request, sample index, position) -- or, for beam search, on the
-    beam's tokens -- never on batching or preemption, so a run with preemption must produce
-    exactly the tokens of a run without it. For parallel sampling the i-th pair belongs to
-    sample i (used when the prompt forks into n sequences).
-    """
-    pos = len(seq)
-    if request.sampling_params.use_beam_search:
-        key = (request.request_id, tuple(seq.output_token_ids))
-        return [(hash((key, j, 0)) % vocab_size, -((hash((key, j, 1)) % 1000) + 1) / 100)
-                for j in range(num_samples)]
-    first = seq.index if num_samples == 1 else 0
-    return [(hash((request.request_id, first + i, pos)) % vocab_size, -1.0)
-            for i in range(num_samples)]
-
-
-def expected_tokens(prompt_token_ids: SequenceABC[int], request_id: int, index: int,
-                    num_tokens: int, vocab_size: int = 32000) -> list[int]:
-    """The tokens :func:`fake_sample` gives sample ``index`` of a non-beam request."""
-    p = len(prompt_token_ids)
-    return [hash((request_id, index, p + k)) % vocab_size for k in range(num_tokens)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import ch07
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
 from course_lib.sim.replay import CostModel, preemption_costs, replay
 from course_lib.sim.traces import sharegpt_like
 from course_lib.viz import timeline

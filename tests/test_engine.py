@@ -7,10 +7,10 @@ import urllib.request
 import pytest
 import torch
 
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.engine import LLMEngine
-from course_lib.metrics import serve_metrics
 from course_lib.model import EOS_ID, ByteTokenizer, generate_contiguous, load_tiny_model
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
+from course_lib.scheduler.metrics import serve_metrics
 from course_lib.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch10

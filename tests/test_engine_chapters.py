@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from course_lib import capacity as cap
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.engine import LLMEngine
+from course_lib.engine.model_runner import ModelRunner
 from course_lib.exercises import ch10, ch11
 from course_lib.model import ByteTokenizer, load_tiny_model
-from course_lib.model_runner import ModelRunner
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
 from course_lib.sequence import SamplingParams
 from course_lib.viz.serving import TableHistory, draw_sharing, draw_table_growth
 

@@ -8,15 +8,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from course_lib.engine.model_runner import ModelRunner, resolve_attn_impl
+from course_lib.engine.sampler import sample_one, sample_seed, top_p_probs
+from course_lib.engine.workloads import model_trace, run_static
+from course_lib.kernels.batched import paged_attention_batched
 from course_lib.kernels.reference import paged_attention_ref
 from course_lib.memory import BlockManager
 from course_lib.model import load_tiny_model
-from course_lib.model.batched_attention import paged_attention_batched
-from course_lib.model_runner import ModelRunner, resolve_attn_impl
-from course_lib.sampler import sample_one, sample_seed, top_p_probs
-from course_lib.scheduler_output import SchedulerOutput
+from course_lib.scheduler.output import SchedulerOutput
 from course_lib.sequence import SamplingParams
-from course_lib.serving import model_trace, run_static
 
 pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)

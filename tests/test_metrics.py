@@ -7,10 +7,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from course_lib.metrics import Metrics, serve_metrics
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.scheduler import Scheduler
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
-from course_lib.sequence import SamplingParams, fake_sample
+from course_lib.scheduler.metrics import Metrics, serve_metrics
+from course_lib.sequence import SamplingParams
+from course_lib.sim.fake_sampler import fake_samples
 
 pytestmark = pytest.mark.ch07
 
@@ -19,8 +20,7 @@ def run(s: Scheduler, metrics: Metrics, steps: int | None = None) -> None:
     t = 0
     while s.has_unfinished_requests() and (steps is None or t < steps):
         out = s.schedule()
-        samples = {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                   for e in out.scheduled if e.num_samples}
+        samples = fake_samples(out)
         t += 1
         finished = s.update(out, samples, now=0.5 * t)
         metrics.update(s, out.num_prefill_tokens, out.num_decode_tokens)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
-from course_lib.sequence import expected_tokens
+from course_lib.config import CacheConfig, SchedulerConfig
+from course_lib.sim.fake_sampler import expected_tokens
 from course_lib.sim.replay import CostModel, replay
 from course_lib.sim.traces import TraceRequest, few_shot, sharegpt_like, with_parallel_sampling
 
@@ -120,7 +120,7 @@ def test_bench_script_quick_run():
 
 
 def test_each_tuning_row_shows_its_symptom_and_the_fix_helps():
-    from course_lib.sim import tuning
+    from course_lib.claims import tuning
 
     r = {row.symptom: tuning.run_row(row) for row in tuning.ROWS}
     full = r["cache usage > 90% + frequent preemption"]
@@ -144,7 +144,8 @@ def test_each_tuning_row_shows_its_symptom_and_the_fix_helps():
 
 def test_filled_slots_match_the_block_managers_token_usage():
     from course_lib.scheduler import Scheduler
-    from course_lib.sequence import SamplingParams, fake_sample
+    from course_lib.sequence import SamplingParams
+    from course_lib.sim.fake_sampler import fake_samples
     from course_lib.sim.replay import _filled_slots
 
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=32),
@@ -155,8 +156,7 @@ def test_filled_slots_match_the_block_managers_token_usage():
         out = s.schedule()
         usage = s.block_manager.usage()
         assert _filled_slots(s) == round(usage.token_usage * 60 * 4)
-        s.update(out, {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                       for e in out.scheduled if e.num_samples})
+        s.update(out, fake_samples(out))
 
 
 def test_swap_space_in_blocks():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.scheduler import Scheduler
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig, longest_first
-from course_lib.sequence import SamplingParams, SequenceStatus, expected_tokens, fake_sample
+from course_lib.config import CacheConfig, SchedulerConfig
+from course_lib.scheduler import Scheduler, longest_first
+from course_lib.sequence import SamplingParams, SequenceStatus
+from course_lib.sim.fake_sampler import expected_tokens, fake_sample, fake_samples
 
 pytestmark = pytest.mark.ch07
 
@@ -23,8 +24,7 @@ def make(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0, watermark=0.0, cachi
 def step(s: Scheduler, now: float = 0.0):
     out = s.schedule()
     s.check_invariants()
-    samples = {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-               for e in out.scheduled if e.num_samples}
+    samples = fake_samples(out)
     finished = s.update(out, samples, now)
     s.check_invariants()
     return out, finished

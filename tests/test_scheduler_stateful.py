@@ -13,10 +13,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_scheduler import reference_beam_search
 
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.memory import cdiv
 from course_lib.scheduler import Scheduler
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
-from course_lib.sequence import SamplingParams, SequenceStatus, expected_tokens, fake_sample
+from course_lib.sequence import SamplingParams, SequenceStatus
+from course_lib.sim.fake_sampler import expected_tokens, fake_samples
 
 pytestmark = pytest.mark.ch07
 
@@ -64,8 +65,7 @@ def test_random_traces_finish_with_the_tokens_of_an_unpreempted_run(
         s.check_invariants()
         assert out.num_batched_tokens <= budget
         assert len({e.seq.seq_id for e in out.scheduled}) <= max_num_seqs
-        samples = {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                   for e in out.scheduled if e.num_samples}
+        samples = fake_samples(out)
         s.update(out, samples, float(steps))
         s.check_invariants()
         for _, m in out.preempted:
@@ -100,8 +100,7 @@ def test_the_random_traces_do_preempt():
     while s.has_unfinished_requests():
         out = s.schedule()
         modes |= {m for _, m in out.preempted}
-        s.update(out, {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                       for e in out.scheduled if e.num_samples})
+        s.update(out, fake_samples(out))
     assert modes == {"swap", "recompute"}, modes
     for r in reqs:
         assert r.outputs() == [expected_tokens(r.prompt_token_ids, r.request_id, i, 10)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from course_lib import capacity as cap
-from course_lib import seed_audit as sa
 from course_lib.capacity import GiB, KiB, MiB
+from course_lib.claims import seeds as sa
 
 SEED_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 

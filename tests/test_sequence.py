@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from course_lib.sequence import (
-    Request,
-    SamplingParams,
-    Sequence,
-    SequenceStatus,
-    expected_tokens,
-    fake_sample,
-)
+from course_lib.sequence import Request, SamplingParams, Sequence, SequenceStatus
+from course_lib.sim.fake_sampler import expected_tokens, fake_sample
 
 pytestmark = pytest.mark.ch07
 

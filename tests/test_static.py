@@ -155,7 +155,7 @@ def test_random_traces_conserve_and_finish(spec, total, system):
 
 
 def test_paper_budget_is_about_12_gib():
-    from course_lib.sim import claims
+    from course_lib.claims import paper as claims
 
     b = claims.paper_kv_budget()
     assert 11 < b.available_kv_bytes / 2**30 < 13
@@ -178,7 +178,7 @@ def test_reservation_larger_than_memory_is_rejected():
 
 
 def test_claim_rows_report_the_simulated_values():
-    from course_lib.sim import claims
+    from course_lib.claims import paper as claims
 
     runs = claims.run_systems(sharegpt_like(200, seed=2), 8192)
     assert [t.system for t in runs] == ["Orca-Max", "Orca-Pow2", "Orca-Oracle", "paged (vLLM)"]

@@ -10,10 +10,11 @@ import random
 from collections.abc import Callable
 
 from course_lib import capacity as cap
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Verdict, check
-from course_lib.scheduler import Scheduler
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig, last_arrived_first
-from course_lib.sequence import Request, SamplingParams, fake_sample
+from course_lib.scheduler import Scheduler, last_arrived_first
+from course_lib.sequence import Request, SamplingParams
+from course_lib.sim.fake_sampler import fake_samples
 from course_lib.sim.replay import CostModel
 
 
@@ -28,8 +29,7 @@ def prefill_chunks(prompt_len: int, max_num_batched_tokens: int, num_decoding: i
 
     def step() -> list[int]:
         out = s.schedule()
-        s.update(out, {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                       for e in out.scheduled if e.num_samples})
+        s.update(out, fake_samples(out))
         return [e.num_tokens for e in out.scheduled if e.request.request_id == -1]
 
     for i in range(num_decoding):                  # get them decoding first

@@ -1,8 +1,8 @@
 """Chapter 10 exercises: the slots of a step, beam candidates, the memory sharing saves.
 
 References run the library: ``course_lib.kernels.reference.slot_mapping`` (what the model
-runner builds from a block table), ``course_lib.sampler.sample`` for beam search (top
-``2 x width`` log-probabilities), ``course_lib.serving.saving_of_tables``.
+runner builds from a block table), ``course_lib.engine.sampler.sample`` for beam search (top
+``2 x width`` log-probabilities), ``course_lib.engine.workloads.saving_of_tables``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 import torch
 
+from course_lib.engine.workloads import saving_of_tables
 from course_lib.exercises import Verdict, check
 from course_lib.kernels.reference import slot_mapping
-from course_lib.scheduler_output import ScheduledSeq
+from course_lib.scheduler.output import ScheduledSeq
 from course_lib.sequence import Request, SamplingParams, Sequence
-from course_lib.serving import saving_of_tables
 
 
 def step_slots(block_table: list[int], num_computed: int, num_new: int,
@@ -30,7 +30,7 @@ def beam_candidates(logits: list[float], width: int) -> list[tuple[int, float]]:
     """Reference: the ``2 * width`` best (token, logprob) of one beam, best first."""
     req = Request(0, (1,), SamplingParams(beam_width=width))
     entry = ScheduledSeq(req, Sequence(0, (1,)), 1, False, 2 * width)
-    from course_lib.sampler import sample
+    from course_lib.engine.sampler import sample
 
     return [(t, round(lp, 5)) for t, lp in sample(entry, torch.tensor(logits), 0)]
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from course_lib import capacity as cap
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Verdict, check
 from course_lib.kernels.cache_ops import swap_blocks
 from course_lib.kernels.reference import copy_blocks_ref
 from course_lib.model import TinyLlama, allocate_kv_caches, make_attention_metadata
 from course_lib.scheduler import Scheduler
-from course_lib.scheduler_config import CacheConfig, SchedulerConfig
 from course_lib.sequence import Request, SamplingParams
 
 

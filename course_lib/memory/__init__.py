@@ -1,8 +1,8 @@
 """The block manager: pure Python, no torch. See ``manager.BlockManager``."""
 
-from .allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import BlockTable, cdiv
 from .manager import AllocStatus, BlockManager, BlockUsage, PrefixCacheStats
+from .pool import BlockAllocator, NoFreeBlocksError
 from .prefix_cache import ROOT_HASH, BlockKey, PrefixCache
 
 __all__ = ["AllocStatus", "BlockAllocator", "BlockKey", "BlockManager", "BlockTable",

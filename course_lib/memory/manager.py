@@ -24,8 +24,8 @@ import enum
 from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from .allocator import BlockAllocator, NoFreeBlocksError
 from .block_table import BlockTable, cdiv
+from .pool import BlockAllocator, NoFreeBlocksError
 from .prefix_cache import PrefixCache
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.kernels import paged_attention
+from course_lib.kernels.batched import paged_attention_batched
 from course_lib.kernels.cache_ops import reshape_and_cache
 from course_lib.kernels.reference import reshape_and_cache_ref, slot_mapping
-from course_lib.model.batched_attention import paged_attention_batched
 
 
 @dataclass
@@ -97,7 +97,7 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``q [num_tokens, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads,
     head_dim]`` (modified in place). Returns ``[num_tokens, num_heads, head_dim]``.
     ``impl``: "auto" / "triton" / "reference" pick the kernels of :mod:`course_lib.kernels`;
-    "torch" is the serving engine's CPU path (:mod:`course_lib.model.batched_attention`, the
+    "torch" is the serving engine's CPU path (:mod:`course_lib.kernels.batched`, the
     whole batch at once). "reference" and "torch" also write the cache with the torch
     reference: on CPU the Triton ``reshape_and_cache`` runs in the interpreter (~10 ms per
     token per layer), too slow for the engine.

@@ -1,7 +1,7 @@
 """Replay a trace through the real scheduler and block manager, with a cost model for time.
 
 No model runs: a step's duration comes from :class:`CostModel` (tokens computed, context read,
-blocks swapped), and tokens come from ``course_lib.sequence.fake_sample``. Everything else --
+blocks swapped), and tokens come from ``course_lib.sim.fake_sampler``. Everything else --
 admission, budgets, chunked prefill, preemption, copy-on-write, prefix caching -- is the real
 ``Scheduler`` over the real ``BlockManager``, so the batch sizes, KV usage, preemptions and
 swapped bytes a replay reports are those of the real policies.
@@ -17,11 +17,11 @@ from typing import NamedTuple
 from tqdm.auto import tqdm
 
 from ..capacity import ModelSpec, get_preset, kv_bytes_per_token
-from ..metrics import Metrics
-from ..scheduler import Scheduler
-from ..scheduler_config import CacheConfig, SchedulerConfig, VictimPolicy, last_arrived_first
-from ..scheduler_output import SchedulerOutput
-from ..sequence import Request, SamplingParams, fake_sample
+from ..config import CacheConfig, SchedulerConfig
+from ..scheduler import Scheduler, SchedulerOutput, VictimPolicy, last_arrived_first
+from ..scheduler.metrics import Metrics
+from ..sequence import Request, SamplingParams
+from .fake_sampler import fake_samples
 from .traces import TraceRequest
 
 
@@ -263,9 +263,7 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
             continue
         dt = cost.step_time(out, bs)
         now += dt
-        samples = {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
-                   for e in out.scheduled if e.num_samples}
-        finished = sched.update(out, samples, now)
+        finished = sched.update(out, fake_samples(out), now)
         if check_invariants:
             sched.check_invariants()
         swap_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)

@@ -17,8 +17,8 @@ import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
-from course_lib import seed_audit
 from course_lib.capacity import GiB, KiB
+from course_lib.claims import seeds as seed_audit
 
 ATTENTION_COLORS = {"MHA": "C3", "GQA": "C0", "MQA": "C2", "MLA": "C1"}
 

@@ -23,18 +23,13 @@ from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
-from . import scheduler_checks as checks
-from .memory import AllocStatus, BlockManager
+from ..config import CacheConfig, SchedulerConfig
+from ..memory import AllocStatus, BlockManager
+from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
+from . import admission as checks
+from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_samples
-from .scheduler_config import (
-    CacheConfig,
-    SchedulerConfig,
-    SchedulingBudget,
-    VictimPolicy,
-    last_arrived_first,
-)
-from .scheduler_output import ScheduledSeq, SchedulerOutput
-from .sequence import Request, SamplingParams, Sequence, SequenceStatus
+from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
 
 S = SequenceStatus
 
@@ -288,5 +283,26 @@ class Scheduler:
         return finished + out.ignored
 
     def check_invariants(self) -> None:
-        """Queues and block tables agree (DESIGN.md); call it after schedule() or update()."""
-        checks.check_invariants(self)
+        """Every queued sequence has the status of its queue; running ones hold GPU tables,
+        swapped ones CPU tables, waiting ones none; no table belongs to no queue; and the
+        block manager's own invariants. Call it after schedule() or update() (tests)."""
+        bm = self.block_manager
+        bm.check_invariants()
+        held: set[int] = set()
+        for queue, status, device in ((self.running, S.RUNNING, "gpu"),
+                                      (self.swapped, S.SWAPPED, "cpu"),
+                                      (self.waiting, S.WAITING, None)):
+            for req in queue:
+                assert not req.is_finished, f"request {req.request_id} finished but queued"
+                for seq in req.unfinished_seqs:
+                    assert seq.status == status, f"seq {seq.seq_id}: {seq.status} in {status}"
+                    if device is None:
+                        assert not bm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
+                        continue
+                    table = bm.get_table(seq.seq_id)
+                    assert table.device == device, f"seq {seq.seq_id} on {table.device}"
+                    assert seq.num_computed_tokens <= table.num_tokens <= len(seq), \
+                        f"seq {seq.seq_id}: {seq.num_computed_tokens} computed, " \
+                        f"{table.num_tokens} in its table, {len(seq)} tokens"
+                    held.add(seq.seq_id)
+        assert held == set(bm.seq_ids()), "block tables of sequences no queue holds"

@@ -3,7 +3,7 @@
 Two sources: the vLLM paper (Kwon et al., SOSP 2023: Fig. 2's share of KV memory holding
 token states, OPT-13B on an A100-40GB over a ShareGPT trace, and the average batch sizes it
 reports on ShareGPT), and the seed articles' fragmentation ranges (not in
-``course_lib.seed_audit``, which holds the capacity arithmetic; its static-vs-paged entry
+``course_lib.claims.seeds``, which holds the capacity arithmetic; its static-vs-paged entry
 ``001-static`` is reused as is). Each row keeps the published range and our value apart: we
 never tune the simulation to a row.
 """

@@ -4,14 +4,14 @@ model together (vLLM v0's ``LLMEngine``, in one page).
 One :meth:`LLMEngine.step`:
 
 1. ``scheduler.schedule()`` picks the batch and changes the block tables (allocate, append,
-   copy-on-write, swap, preempt), returning a :class:`~course_lib.scheduler_output.SchedulerOutput`.
-2. The :class:`~course_lib.model_runner.ModelRunner` executes its cache ops (swap-out,
+   copy-on-write, swap, preempt), returning a :class:`~course_lib.scheduler.output.SchedulerOutput`.
+2. The :class:`~course_lib.engine.model_runner.ModelRunner` executes its cache ops (swap-out,
    swap-in, CoW copies: that order), then the forward pass over the scheduled tokens.
 3. The sampler turns each sampling entry's logits into (token, logprob) candidates.
 4. ``scheduler.update()`` appends the tokens, forks parallel samples and beams (sharing
    blocks), and finishes and frees sequences that drew a stop token (the engine adds its
    ``stop_token_ids``, EOS by default, to each request's ``SamplingParams``) or hit a limit.
-5. :class:`~course_lib.metrics.Metrics` (vLLM's Prometheus names) are updated.
+5. :class:`~course_lib.scheduler.metrics.Metrics` (vLLM's Prometheus names) are updated.
 
 :meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
 """
@@ -25,14 +25,13 @@ from dataclasses import dataclass, replace
 
 from tqdm.auto import tqdm
 
-from .metrics import Metrics
-from .model import EOS_ID, ByteTokenizer, TinyLlama
+from ..config import CacheConfig, SchedulerConfig
+from ..model import EOS_ID, ByteTokenizer, TinyLlama
+from ..scheduler import Scheduler, SchedulerOutput
+from ..scheduler.metrics import Metrics
+from ..sequence import Request, SamplingParams, SequenceStatus
 from .model_runner import ModelRunner
 from .sampler import sample
-from .scheduler import Scheduler
-from .scheduler_config import CacheConfig, SchedulerConfig
-from .scheduler_output import SchedulerOutput
-from .sequence import Request, SamplingParams, SequenceStatus
 
 
 @dataclass
@@ -89,7 +88,7 @@ class LLMEngine:
 
     ``scheduler_config.max_model_len`` defaults to (and may not exceed) the model's context.
     ``cache_config.num_cpu_blocks > 0`` gives swap space (needed for ``preemption_mode="swap"``).
-    ``attn_impl``: see :func:`course_lib.model_runner.resolve_attn_impl`. ``stop_token_ids``
+    ``attn_impl``: see :func:`course_lib.engine.model_runner.resolve_attn_impl`. ``stop_token_ids``
     are added to every request's ``SamplingParams.stop_token_ids``: a sequence that samples one
     stops (the token is kept), as ``generate_contiguous`` does; beam search ignores them (the
     scheduler's beam step keeps ``beam_width`` live beams).
@@ -103,7 +102,7 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter,
                  model_name: str = "tiny-llama") -> None:
         if model is None:
-            from .model import load_tiny_model
+            from ..model import load_tiny_model
 
             model = load_tiny_model()
         context = model.config.max_position

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..scheduler_config import CacheConfig, SchedulerConfig
-from .replay import ReplayResult, replay
-from .traces import TraceRequest, few_shot, sharegpt_like
+from ..config import CacheConfig, SchedulerConfig
+from ..sim.replay import ReplayResult, replay
+from ..sim.traces import TraceRequest, few_shot, sharegpt_like
 
 
 def symptoms(r: ReplayResult) -> dict[str, float]:

@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING
 
-from .sequence import Request, Sequence, SequenceStatus
+from ..sequence import Request, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from .output import ScheduledSeq
     from .scheduler import Scheduler
-    from .scheduler_output import ScheduledSeq
 
 
 def _append(seq: Sequence, token: int, logprob: float) -> None:

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .engine import LLMEngine, RequestOutput
-from .model.attention import make_attention_metadata
-from .model.llama import TinyLlama, allocate_kv_caches
+from ..model.attention import make_attention_metadata
+from ..model.llama import TinyLlama, allocate_kv_caches
+from ..sequence import SamplingParams
+from ..sim.traces import TraceRequest, alpaca_lengths, poisson_arrivals, sharegpt_lengths
+from .llm_engine import LLMEngine, RequestOutput
 from .model_runner import resolve_attn_impl
-from .sequence import SamplingParams
-from .sim.traces import TraceRequest, alpaca_lengths, poisson_arrivals, sharegpt_lengths
 
 TRACES = ("sharegpt", "alpaca")
 

@@ -23,19 +23,19 @@ from collections.abc import Sequence
 
 import torch
 
-from .kernels.cache_ops import copy_blocks, swap_blocks
-from .kernels.reference import copy_blocks_ref
-from .memory import BlockManager
-from .model.attention import AttentionMetadata, make_attention_metadata
-from .model.llama import KVCache, TinyLlama, allocate_kv_caches
-from .scheduler_output import ScheduledSeq, SchedulerOutput
+from ..kernels.cache_ops import copy_blocks, swap_blocks
+from ..kernels.reference import copy_blocks_ref
+from ..memory import BlockManager
+from ..model.attention import AttentionMetadata, make_attention_metadata
+from ..model.llama import KVCache, TinyLlama, allocate_kv_caches
+from ..scheduler.output import ScheduledSeq, SchedulerOutput
 
 ATTN_IMPLS = ("auto", "triton", "reference", "torch")
 
 
 def resolve_attn_impl(attn_impl: str, device: torch.device | str = "cpu") -> str:
     """The kernels the engine runs. ``"auto"``: the compiled Triton kernels on a GPU; on a CPU
-    ``"torch"`` (:mod:`course_lib.model.batched_attention`: the batch in a few torch ops),
+    ``"torch"`` (:mod:`course_lib.kernels.batched`: the batch in a few torch ops),
     because Triton's interpreter costs ~10 ms per token per layer just to write the cache (a
     tiny-model decode step: ~2 s instead of ~10 ms), and the reference loops over sequences.
     ``"triton"`` forces the Triton kernels (interpreted on CPU: a few tokens only);
@@ -45,7 +45,7 @@ def resolve_attn_impl(attn_impl: str, device: torch.device | str = "cpu") -> str
         raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
     if attn_impl != "auto":
         return attn_impl
-    from .device import BACKEND
+    from ..device import BACKEND
 
     on_cpu = torch.device(device).type != "cuda"
     return "torch" if on_cpu or BACKEND.interpreted or not BACKEND.uses_triton else "auto"

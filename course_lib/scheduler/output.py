@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sequence import Request, Sequence
+from ..sequence import Request, Sequence
 
 
 @dataclass

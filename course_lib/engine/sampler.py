@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .scheduler_output import ScheduledSeq
-from .sequence import SamplingParams
+from ..scheduler.output import ScheduledSeq
+from ..sequence import SamplingParams
 
 _MASK64 = (1 << 63) - 1
 

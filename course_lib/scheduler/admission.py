@@ -1,21 +1,15 @@
-"""The scheduler's questions to the block manager, and its invariants.
+"""The scheduler's questions to the block manager: is there room, and can this ever fit?
 
 * :func:`append_need`: GPU blocks the next decode step of some sequences takes.
 * :func:`can_allocate`: can a waiting request's sequences get their blocks (now, later, never)?
 * :func:`never_fits`: why a request can never run (a sentence), or None.
-* :func:`check_invariants`: the scheduler's queues and the block tables agree.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .memory import AllocStatus, BlockManager, cdiv
-from .scheduler_config import SchedulerConfig
-from .sequence import Request, Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from ..config import SchedulerConfig
+from ..memory import AllocStatus, BlockManager, cdiv
+from ..sequence import Request, Sequence
 
 
 def append_need(bm: BlockManager, seqs: list[Sequence]) -> int:
@@ -67,26 +61,3 @@ def too_big_to_grow(bm: BlockManager, req: Request) -> str:
 def too_big_to_swap_in(bm: BlockManager, req: Request, need: int) -> str:
     return (f"request {req.request_id} needs {need} GPU blocks to come back, the pool has "
             f"{bm.num_gpu_blocks} (watermark {bm.watermark_blocks})")
-
-
-def check_invariants(sched: Scheduler) -> None:
-    """Every queued sequence has the status of its queue; running ones hold GPU tables,
-    swapped ones CPU tables, waiting ones none; no table belongs to no queue."""
-    bm, S = sched.block_manager, SequenceStatus
-    bm.check_invariants()
-    held: set[int] = set()
-    for queue, status, device in ((sched.running, S.RUNNING, "gpu"),
-                                  (sched.swapped, S.SWAPPED, "cpu"),
-                                  (sched.waiting, S.WAITING, None)):
-        for req in queue:
-            assert not req.is_finished, f"request {req.request_id} finished but queued"
-            for seq in req.unfinished_seqs:
-                assert seq.status == status, f"seq {seq.seq_id}: {seq.status} in {status}"
-                if device is None:
-                    assert not bm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
-                    continue
-                table = bm.get_table(seq.seq_id)
-                assert table.device == device, f"seq {seq.seq_id} on {table.device}"
-                assert seq.num_computed_tokens <= table.num_tokens <= len(seq)
-                held.add(seq.seq_id)
-    assert held == set(bm.seq_ids()), "block tables of sequences no queue holds"

@@ -1,0 +1,24 @@
+"""The scheduler: pure Python, no torch (vLLM V0's design, the paper's and the source articles').
+
+* ``scheduler``         :class:`Scheduler`: continuous batching, chunked prefill, preemption by
+                        recompute or swap; owns the :class:`~course_lib.memory.BlockManager`
+* ``policy``            :class:`SchedulingBudget` and the victim policies
+* ``admission``         room for a decode, a prompt or a swap-in; why a request can never fit
+* ``output``            :class:`SchedulerOutput` / :class:`ScheduledSeq`: one step's decision,
+                        plain data for the engine or the simulator
+* ``output_processor``  sampled tokens appended, parallel samples forked, beams kept or freed
+* ``metrics``           Prometheus collectors with vLLM's names, fed by the engine and the replay
+"""
+
+from .output import ScheduledSeq, SchedulerOutput
+from .policy import (
+    VICTIM_POLICIES,
+    SchedulingBudget,
+    VictimPolicy,
+    last_arrived_first,
+    longest_first,
+)
+from .scheduler import Scheduler
+
+__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "SchedulingBudget", "VictimPolicy",
+           "VICTIM_POLICIES", "last_arrived_first", "longest_first"]
