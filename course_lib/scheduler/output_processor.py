@@ -1,22 +1,22 @@
 """After a step: sampled tokens into sequences, parallel samples forked, beams kept or dropped.
 
-vLLM v0 does this in its output processor; here it is one function the scheduler calls from
-``Scheduler.update``. Every fork and free goes through the block manager, so forked samples
-share the prompt's blocks (copy-on-write on their first write) and dropped beams give their
-blocks back at once.
+vLLM V0 does this in its output processor; here it is one function the scheduler calls from
+``Scheduler.update``, handed exactly what it needs: the block manager (every fork and free goes
+through it, so forked samples share the prompt's blocks, copy-on-write on their first write,
+and dropped beams give their blocks back at once), a source of new sequence ids and
+``max_model_len``. It never sees the scheduler itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
-from typing import TYPE_CHECKING
 
+from ..memory import BlockManager
 from ..sequence import Request, Sequence, SequenceStatus
+from .output import ScheduledSeq
 
-if TYPE_CHECKING:
-    from .output import ScheduledSeq
-    from .scheduler import Scheduler
+Samples = Mapping[int, SequenceABC[tuple[int, float]]]   # seq_id -> (token, logprob) candidates
 
 
 def _append(seq: Sequence, token: int, logprob: float) -> None:
@@ -24,8 +24,7 @@ def _append(seq: Sequence, token: int, logprob: float) -> None:
     seq.cumulative_logprob += logprob
 
 
-def _candidates(samples: Mapping[int, SequenceABC[tuple[int, float]]],
-                e: ScheduledSeq) -> SequenceABC[tuple[int, float]]:
+def _candidates(samples: Samples, e: ScheduledSeq) -> SequenceABC[tuple[int, float]]:
     cands = samples.get(e.seq.seq_id)
     if cands is None or len(cands) != e.num_samples:
         got = None if cands is None else len(cands)
@@ -33,25 +32,27 @@ def _candidates(samples: Mapping[int, SequenceABC[tuple[int, float]]],
     return cands
 
 
-def apply_samples(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
-                  samples: Mapping[int, SequenceABC[tuple[int, float]]]) -> None:
+def apply_samples(req: Request, entries: list[ScheduledSeq], samples: Samples,
+                  block_manager: BlockManager, new_seq_id: Callable[[], int],
+                  max_model_len: int) -> None:
     """Append the step's tokens of ``req`` (``entries``: its entries that sampled), then
-    finish the sequences that drew a stop token or reached ``max_tokens`` / ``max_model_len``."""
-    bm = sched.block_manager
+    finish the sequences that drew a stop token or reached ``max_tokens`` / ``max_model_len``.
+    ``new_seq_id()`` names each forked sample or beam."""
+    bm = block_manager
     if req.sampling_params.use_beam_search:
-        _beam_step(sched, req, entries, samples)
+        _beam_step(req, entries, samples, bm, new_seq_id)
     else:
         for e in entries:
             cands, seq = _candidates(samples, e), e.seq
             children = []
             for i in range(1, e.num_samples):      # the prompt forks into n samples
-                child = seq.fork(sched.new_seq_id(), i)
+                child = seq.fork(new_seq_id(), i)
                 bm.fork(seq.seq_id, child.seq_id)
                 children.append(child)
             req.seqs += children
             for s, (token, logprob) in zip([seq, *children], cands, strict=True):
                 _append(s, token, logprob)
-    params, max_len = req.sampling_params, sched.config.max_model_len
+    params, max_len = req.sampling_params, max_model_len
     stop = () if params.use_beam_search else params.stop_token_ids
     for seq in req.unfinished_seqs:
         if stop and seq.output_token_ids and seq.output_token_ids[-1] in stop:
@@ -65,11 +66,11 @@ def apply_samples(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
         req.finish_reason = "stop" if stopped else "length"
 
 
-def _beam_step(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
-               samples: Mapping[int, SequenceABC[tuple[int, float]]]) -> None:
+def _beam_step(req: Request, entries: list[ScheduledSeq], samples: Samples, bm: BlockManager,
+               new_seq_id: Callable[[], int]) -> None:
     """Keep the ``beam_width`` best (beam + token) by cumulative logprob: a beam picked k
     times is forked k - 1 times, a beam never picked is freed."""
-    bm, width = sched.block_manager, req.sampling_params.beam_width
+    width = req.sampling_params.beam_width
     scored = [(e.seq.cumulative_logprob + lp, token, e.seq)
               for e in entries for token, lp in _candidates(samples, e)]
     # ties broken by content, never by seq ids, so that preemption cannot change the result
@@ -87,7 +88,7 @@ def _beam_step(sched: Scheduler, req: Request, entries: list[ScheduledSeq],
             bm.free(beam.seq_id)
             continue
         for score, token in chosen[1:]:
-            child = beam.fork(sched.new_seq_id(), next_index)
+            child = beam.fork(new_seq_id(), next_index)
             next_index += 1
             bm.fork(beam.seq_id, child.seq_id)
             child.output_token_ids.append(token)

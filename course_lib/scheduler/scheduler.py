@@ -271,7 +271,7 @@ class Scheduler:
             req = entries[0].request
             if req.first_token_time is None:
                 req.first_token_time = now
-            apply_samples(self, req, entries, samples)
+            apply_samples(req, entries, samples, bm, self.new_seq_id, self.config.max_model_len)
             if req.is_finished:
                 req.finished_time = now
                 finished.append(req)

@@ -1,0 +1,215 @@
+"""The layout's rules, checked on the real import graph of ``course_lib`` (parsed, not imported):
+
+* no import cycle among course_lib modules, type-only imports included;
+* no module imports a layer above its own (``LAYERS`` below, bottom first);
+* ``memory/``, ``scheduler/`` and the other torch-free layers import no torch or triton, not
+  even through another course_lib module;
+* the package root holds at most 7 modules besides ``__init__.py`` / ``__main__.py``.
+
+Each detector is first shown to trip on a small package that breaks its rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "course_lib"
+
+# Bottom first. A module may import its own component and components of lower layers only.
+LAYERS: list[set[str]] = [
+    {"device", "capacity"},                 # facts about the machine and the models
+    {"config", "sequence", "envcheck"},     # plain data everyone shares | chapter 00's check
+    {"memory"},                             # block tables, pools, prefix cache, BlockManager
+    {"scheduler"},                          # batching, preemption, output processing, metrics
+    {"sim", "kernels"},                     # model-free simulation | torch / Triton kernels
+    {"model"},                              # the tiny Llama over the kernels
+    {"engine", "parallel", "claims"},       # serving engine | context parallelism | numbers
+    {"viz"},                                # drawings and widgets
+    {"exercises"},                          # checkers for the chapters' exercises
+    {"__main__"},                           # the command line
+]
+TORCH_FREE = {"capacity", "config", "sequence", "memory", "scheduler", "sim", "claims"}
+HEAVY = {"torch", "triton"}
+MAX_ROOT_MODULES = 7
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(root: Path) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``(edges, externals)``: for each module of the package at ``root``, the package modules
+    it imports (anywhere in the file: top level, functions, ``if TYPE_CHECKING``) and the
+    top-level names of the other packages it imports."""
+    pkg = root.name
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    packages = {module_name(p, root) for p in root.rglob("__init__.py")}
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    externals: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        here = mod if mod in packages else mod.rpartition(".")[0]   # package of relative imports
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    name = node.module or ""
+                targets = [(name, [a.name for a in node.names])]
+            else:
+                continue
+            for name, names in targets:
+                top = name.split(".")[0]
+                if top != pkg:
+                    externals[mod].add(top)
+                    continue
+                subs = [f"{name}.{n}" for n in names or [] if f"{name}.{n}" in files]
+                edges[mod].update(subs)
+                if names is None or len(subs) < len(names):
+                    edges[mod].add(name)
+    for mod in edges:
+        edges[mod].discard(mod)
+        unknown = edges[mod] - files.keys()
+        assert not unknown, f"{mod} imports modules that do not exist: {sorted(unknown)}"
+    return edges, externals
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}                     # 1: on the DFS stack, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def component(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_edges(edges: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Imports of a component that is in a higher layer, or in another component of the same
+    layer; the package's own ``__init__`` may be imported by anyone (it imports nothing)."""
+    rank = {c: i for i, layer in enumerate(layers) for c in layer}
+    bad = []
+    for mod, targets in edges.items():
+        a = component(mod)
+        for target in targets:
+            b = component(target)
+            if a == b or b == "__init__":
+                continue
+            if a not in rank or b not in rank:
+                bad.append(f"{mod} -> {target} (no layer for {a if a not in rank else b})")
+            elif rank[b] >= rank[a]:
+                bad.append(f"{mod} (layer {rank[a]}) -> {target} (layer {rank[b]})")
+    return sorted(bad)
+
+
+def heavy_imports(edges, externals, torch_free: set[str]) -> list[str]:
+    """Torch-free modules that import torch or triton, directly or through package modules."""
+    bad = []
+    for mod in edges:
+        if component(mod) not in torch_free:
+            continue
+        seen, todo = set(), [mod]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            if externals[m] & HEAVY:
+                path = mod if m == mod else f"{mod} -> ... -> {m}"
+                bad.append(f"{path} imports {sorted(externals[m] & HEAVY)}")
+            todo += edges[m]
+    return sorted(bad)
+
+
+# ------------------------------------------------------------------ the detectors trip
+def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_detectors_trip_on_a_package_that_breaks_each_rule(tmp_path) -> None:
+    root = write_package(tmp_path, {
+        "__init__.py": "",
+        "low/__init__.py": "",
+        "low/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    "    from .b import B\n",
+        "low/b.py": "from . import a\nimport torch\n",
+        "low/c.py": "def f():\n    from ..high import run\n",
+        "high/__init__.py": "from .run import run\n",
+        "high/run.py": "from pkg.low import b\n",
+    })
+    edges, externals = import_graph(root)
+    assert edges["pkg.low.a"] == {"pkg.low.b"}          # a type-only import is an edge
+    assert edges["pkg.high.run"] == {"pkg.low.b"}       # `from pkg.low import b`: the module
+    assert edges["pkg.high"] == {"pkg.high.run"}
+    cycle = find_cycle(edges)
+    assert cycle is not None and set(cycle) == {"pkg.low.a", "pkg.low.b"}
+    layers = [{"low"}, {"high"}]
+    assert upward_edges(edges, layers) == ["pkg.low.c (layer 0) -> pkg.high.run (layer 1)"]
+    assert heavy_imports(edges, externals, {"high"}) == [
+        "pkg.high -> ... -> pkg.low.b imports ['torch']",
+        "pkg.high.run -> ... -> pkg.low.b imports ['torch']"]
+    del edges["pkg.low.a"]
+    edges["pkg.low.a"] = set()
+    assert find_cycle(edges) is None
+
+
+# ------------------------------------------------------------------- course_lib obeys
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph(ROOT)
+
+
+def test_course_lib_has_no_import_cycle(graph) -> None:
+    edges, _ = graph
+    assert len(edges) > 50                               # the parser saw the whole package
+    assert find_cycle(edges) is None, f"import cycle: {' -> '.join(find_cycle(edges))}"
+
+
+def test_every_component_has_a_layer_and_imports_only_below_it(graph) -> None:
+    edges, _ = graph
+    components = {component(m) for m in edges} - {"__init__"}
+    assert components == set().union(*LAYERS), "a component of course_lib has no layer"
+    assert upward_edges(edges, LAYERS) == []
+
+
+def test_memory_and_scheduler_import_no_torch(graph) -> None:
+    edges, externals = graph
+    assert heavy_imports(edges, externals, TORCH_FREE) == []
+    assert externals["course_lib.engine.model_runner"] & HEAVY    # the check can see torch
+
+
+def test_the_package_root_holds_few_modules() -> None:
+    modules = sorted(p.name for p in ROOT.glob("*.py")
+                     if p.name not in ("__init__.py", "__main__.py"))
+    assert len(modules) <= MAX_ROOT_MODULES, modules
