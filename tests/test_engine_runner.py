@@ -102,6 +102,32 @@ def test_runner_executes_swaps_and_copies_in_order() -> None:
     BlockManager(4, 6)   # the runner holds no bookkeeping of its own
 
 
+def test_runner_builds_its_inputs_from_the_scheduler_output_alone() -> None:
+    """Block ids travel in ScheduledSeq: the runner's metadata are the scheduler's tables, and
+    an entry whose block ids cannot hold its tokens is refused with the reason."""
+    from dataclasses import replace
+
+    from course_lib.config import CacheConfig, SchedulerConfig
+    from course_lib.scheduler import Scheduler
+
+    model = load_tiny_model()
+    sched = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(4, 16, watermark=0.0))
+    sched.add_request(0, list(range(1, 11)), SamplingParams(max_tokens=3))
+    sched.add_request(1, list(range(20, 26)), SamplingParams(max_tokens=3))
+    out = sched.schedule()
+    runner = ModelRunner(model, block_size=4, num_gpu_blocks=16, attn_impl="reference")
+    ids, pos, meta = runner.prepare_inputs(out.scheduled)
+    bm = sched.block_manager
+    for row, e in zip(meta.block_tables.tolist(), out.scheduled, strict=True):
+        assert e.block_ids == bm.get_block_table(e.seq.seq_id)
+        assert row[:len(e.block_ids)] == e.block_ids
+    assert ids.tolist() == list(range(1, 11)) + list(range(20, 26))
+    assert pos.tolist() == list(range(10)) + list(range(6))
+    short = replace(out.scheduled[0], block_ids=out.scheduled[0].block_ids[:2])
+    with pytest.raises(ValueError, match="2 blocks of 4 cannot hold tokens 0..9"):
+        runner.prepare_inputs([short])
+
+
 def test_model_trace_fits_the_context_and_uses_bytes() -> None:
     for kind in ("sharegpt", "alpaca"):
         trace = model_trace(kind, 300, seed=1)

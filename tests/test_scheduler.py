@@ -380,3 +380,34 @@ def test_a_stop_token_finishes_the_sample_that_draws_it_and_frees_its_blocks():
 def test_stop_token_ids_must_be_token_ids():
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=(-1,))
+
+
+def test_output_processor_needs_only_the_block_manager_ids_and_max_model_len():
+    """apply_samples takes explicit arguments, no scheduler: the prompt forks into n samples
+    that share its blocks, each named by ``new_seq_id``, and a sample stops at max_model_len."""
+    from course_lib.memory import BlockManager
+    from course_lib.scheduler.output import ScheduledSeq
+    from course_lib.scheduler.output_processor import apply_samples
+    from course_lib.sequence import Request, Sequence
+
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
+    req = Request(0, prompt(6), SamplingParams(max_tokens=5, n=3))
+    seq = Sequence(10, req.prompt_token_ids, status=SequenceStatus.RUNNING)
+    req.seqs.append(seq)
+    bm.allocate(10, seq.token_ids)
+    seq.num_computed_tokens = 6
+    ids = iter([20, 21])
+    entry = ScheduledSeq(req, seq, 6, True, 3, tuple(bm.get_block_table(10)))
+    apply_samples(req, [entry], {10: [(7, -1.0), (8, -2.0), (9, -3.0)]}, bm,
+                  lambda: next(ids), max_model_len=7)
+    assert [s.seq_id for s in req.seqs] == [10, 20, 21]
+    assert [s.output_token_ids for s in req.seqs] == [[7], [8], [9]]
+    assert all(s.status == SequenceStatus.FINISHED_LENGTH_CAPPED for s in req.seqs)  # 7 tokens
+    assert req.finish_reason == "length" and bm.seq_ids() == []
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="needs 3 sampled candidates, got 1"):
+        req2 = Request(1, prompt(2), SamplingParams(n=3))
+        req2.seqs.append(Sequence(30, req2.prompt_token_ids, status=SequenceStatus.RUNNING))
+        bm.allocate(30, req2.seqs[0].token_ids)
+        apply_samples(req2, [ScheduledSeq(req2, req2.seqs[0], 2, True, 3, ())], {30: [(1, 0.0)]},
+                      bm, lambda: 31, max_model_len=64)

@@ -179,7 +179,7 @@ class LLMEngine:
         sched = self.scheduler
         out = sched.schedule()
         self.runner.execute_cache_ops(out)
-        logits = self.runner.execute_model(out.scheduled, self.block_manager)
+        logits = self.runner.execute_model(out.scheduled)
         samples = {e.seq.seq_id: sample(e, logits[e.seq.seq_id],
                                         self._seeds[e.request.request_id])
                    for e in out.scheduled if e.num_samples}

@@ -12,7 +12,8 @@ The runner owns the tensors and turns their decisions into work (vLLM's ``CacheE
   again, as a swap-in target or a copy target, in the same step).
 * :meth:`ModelRunner.prepare_inputs`: packs the scheduled entries into ``input_ids,
   positions [num_tokens]`` and :class:`~course_lib.model.attention.AttentionMetadata` built
-  from the block manager's tables (context length = ``num_computed_tokens``).
+  from the block ids each entry carries (context length = ``num_computed_tokens``). The
+  runner never sees the block manager: the scheduler's output is all it needs.
 * :meth:`ModelRunner.execute_model`: the forward; returns the logits row of each entry that
   samples.
 """
@@ -25,7 +26,6 @@ import torch
 
 from ..kernels.cache_ops import copy_blocks, swap_blocks
 from ..kernels.reference import copy_blocks_ref
-from ..memory import BlockManager
 from ..model.attention import AttentionMetadata, make_attention_metadata
 from ..model.llama import KVCache, TinyLlama, allocate_kv_caches
 from ..scheduler.output import ScheduledSeq, SchedulerOutput
@@ -104,13 +104,13 @@ class ModelRunner:
         self.num_copied_blocks += len(out.blocks_to_copy)
 
     # -------------------------------------------------------------------------- forward
-    def prepare_inputs(self, scheduled: Sequence[ScheduledSeq], bm: BlockManager
+    def prepare_inputs(self, scheduled: Sequence[ScheduledSeq]
                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Packed ``input_ids, positions [num_tokens]`` and the metadata of a batch.
 
         Entry ``e`` feeds tokens ``ctx .. ctx + e.num_tokens - 1`` of its sequence, with
         ``ctx = e.seq.num_computed_tokens`` (the scheduler's ``update`` advances it after the
-        forward); its block table already covers them (allocate / append_slots)."""
+        forward); ``e.block_ids`` already covers them (allocate / append_slots)."""
         ids: list[int] = []
         positions: list[int] = []
         tables, ctx_lens, q_lens = [], [], []
@@ -122,7 +122,10 @@ class ModelRunner:
                                  f"but it has {len(tokens)}")
             ids += tokens[ctx:ctx + q]
             positions += range(ctx, ctx + q)
-            tables.append(bm.get_block_table(e.seq.seq_id))
+            if len(e.block_ids) * self.block_size < ctx + q:
+                raise ValueError(f"seq {e.seq.seq_id}: {len(e.block_ids)} blocks of "
+                                 f"{self.block_size} cannot hold tokens 0..{ctx + q - 1}")
+            tables.append(e.block_ids)
             ctx_lens.append(ctx)
             q_lens.append(q)
         meta = make_attention_metadata(tables, ctx_lens, q_lens, self.block_size, self.device)
@@ -130,13 +133,12 @@ class ModelRunner:
                 torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 
     @torch.no_grad()
-    def execute_model(self, scheduled: Sequence[ScheduledSeq], bm: BlockManager
-                      ) -> dict[int, torch.Tensor]:
+    def execute_model(self, scheduled: Sequence[ScheduledSeq]) -> dict[int, torch.Tensor]:
         """Run the forward over the batch; ``{seq_id: logits [vocab]}`` (float32, on the CPU)
         of the last fed token of each entry with ``num_samples > 0``."""
         if not scheduled:
             return {}
-        input_ids, positions, meta = self.prepare_inputs(scheduled, bm)
+        input_ids, positions, meta = self.prepare_inputs(scheduled)
         logits = self.model(input_ids, positions, self.gpu_caches, meta,
                             impl=self.attn_impl)                      # [num_tokens, vocab]
         rows = meta.last_token_indices().to(logits.device)

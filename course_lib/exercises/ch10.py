@@ -29,7 +29,7 @@ def step_slots(block_table: list[int], num_computed: int, num_new: int,
 def beam_candidates(logits: list[float], width: int) -> list[tuple[int, float]]:
     """Reference: the ``2 * width`` best (token, logprob) of one beam, best first."""
     req = Request(0, (1,), SamplingParams(beam_width=width))
-    entry = ScheduledSeq(req, Sequence(0, (1,)), 1, False, 2 * width)
+    entry = ScheduledSeq(req, Sequence(0, (1,)), 1, False, 2 * width, [])
     from course_lib.engine.sampler import sample
 
     return [(t, round(lp, 5)) for t, lp in sample(entry, torch.tensor(logits), 0)]

@@ -87,13 +87,13 @@ def mini_step(eng: MiniEngine) -> list[Request]:
             copy_blocks_ref(k, v, torch.tensor(out.blocks_to_copy))
     samples = {}
     if out.scheduled:
-        bm, bs = eng.sched.block_manager, eng.sched.cache_config.block_size
+        bs = eng.sched.cache_config.block_size
         ids, pos, tables, ctxs, qs = [], [], [], [], []
         for e in out.scheduled:
             ctx, q = e.seq.num_computed_tokens, e.num_tokens
             ids += e.seq.token_ids[ctx:ctx + q]
             pos += range(ctx, ctx + q)
-            tables.append(bm.get_block_table(e.seq.seq_id))
+            tables.append(e.block_ids)
             ctxs.append(ctx)
             qs.append(q)
         meta = make_attention_metadata(tables, ctxs, qs, bs)

@@ -1,5 +1,9 @@
 """What one ``Scheduler.schedule()`` call decides: plain data for the engine (or the simulator).
 
+Everything the model runner needs travels here, block ids included: the runner builds its
+inputs and attention metadata from a :class:`SchedulerOutput` alone and never asks the block
+manager (vLLM V1's ``SchedulerOutput`` carries block ids to the workers the same way).
+
 The engine executes it in this order: ``blocks_to_swap_out`` (before anything else: the GPU
 blocks they free may be handed out again in the same step), ``blocks_to_swap_in``,
 ``blocks_to_copy`` (copy-on-write), then the forward pass over ``scheduled``.
@@ -21,6 +25,7 @@ class ScheduledSeq:
     num_tokens: int       # tokens fed: a prefill chunk, or 1 for a decode
     is_prefill: bool
     num_samples: int      # (token, logprob) candidates the sampler must return (0: none)
+    block_ids: list[int]  # the sequence's block table once this step's slots are reserved
 
 
 @dataclass

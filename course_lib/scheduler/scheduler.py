@@ -141,9 +141,11 @@ class Scheduler:
                          out: SchedulerOutput) -> None:
         num_samples = 2 * req.sampling_params.beam_width if \
             req.sampling_params.use_beam_search else 1
+        bm = self.block_manager
         for seq in seqs:
-            out.blocks_to_copy += self.block_manager.append_slots(seq.seq_id, [seq.last_token_id])
-            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_samples))
+            out.blocks_to_copy += bm.append_slots(seq.seq_id, [seq.last_token_id])
+            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_samples,
+                                              bm.get_block_table(seq.seq_id)))
         budget.add(len(seqs), len(seqs))
 
     def _schedule_prefill(self, req: Request, budget: SchedulingBudget,
@@ -172,7 +174,8 @@ class Scheduler:
                 num_samples = req.sampling_params.num_seqs
                 if req.sampling_params.use_beam_search:
                     num_samples *= 2
-            entries.append(ScheduledSeq(req, seq, chunk, True, num_samples))
+            entries.append(ScheduledSeq(req, seq, chunk, True, num_samples,
+                                        self.block_manager.get_block_table(seq.seq_id)))
         if entries:
             out.scheduled += entries
             budget.add(sum(e.num_tokens for e in entries), reserve)
