@@ -66,6 +66,22 @@ class SamplingParams:
         """Sequences the request runs once its prompt is done."""
         return max(self.n, self.beam_width)
 
+    def num_candidates(self, first_token: bool) -> int:
+        """(token, logprob) candidates one sequence draws in a step that samples: the one rule
+        the scheduler (asks for them), the samplers (draw them) and the output processor (keeps
+        them) follow.
+
+        * beam search: ``2 * beam_width`` per beam at every step, the single prompt sequence
+          included; the output processor keeps the ``beam_width`` best (beam + token) of them
+          all (twice the width, as vLLM V0 asks, so that enough candidates remain when some
+          are cut).
+        * sampling: ``n`` for the first token (the prompt forks into ``n`` samples, candidate
+          ``i`` is sample ``i``'s token), then one per sample.
+        """
+        if self.use_beam_search:
+            return 2 * self.beam_width
+        return self.n if first_token else 1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"

@@ -23,7 +23,7 @@ def run(s: Scheduler, metrics: Metrics, steps: int | None = None) -> None:
         samples = fake_samples(out)
         t += 1
         finished = s.update(out, samples, now=0.5 * t)
-        metrics.update(s, out.num_prefill_tokens, out.num_decode_tokens)
+        metrics.update(s)
         metrics.observe_finished(finished)
 
 
@@ -58,7 +58,8 @@ def test_counters_accumulate_and_histograms_count_requests():
     stats = s.block_manager.prefix_cache_stats
     assert m.value("vllm:prefix_cache_queries_total") == stats.queries > 0
     assert m.value("vllm:prefix_cache_hits_total") == stats.hits > 0
-    assert m.value("vllm:generation_tokens_total") >= 6 * 19       # decode steps
+    assert m.value("vllm:generation_tokens_total") == s.num_generated_tokens == 6 * 20
+    assert m.value("vllm:prompt_tokens_total") == s.num_prompt_tokens >= 6 * 12  # + recomputed
     assert m.value("vllm:time_to_first_token_seconds_count") == 6
     assert m.value("vllm:time_per_output_token_seconds_count") == 6
     assert m.value("vllm:gpu_cache_usage_perc") == 0.0                 # all done

@@ -76,7 +76,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_marks_each_chunk():
     chunks = []
     for _ in range(4):
         out, _ = step(s)
-        chunks.append([(e.num_tokens, e.is_prefill, e.num_samples) for e in out.scheduled])
+        chunks.append([(e.num_tokens, e.is_prefill, e.num_candidates) for e in out.scheduled])
     assert chunks == [[(16, True, 0)], [(16, True, 0)], [(16, True, 0)], [(2, True, 1)]]
     assert calls == [16, 32, 48, 50]
     assert req.seqs[0].output_token_ids == expected_tokens(prompt(50), 0, 0, 1)
@@ -240,7 +240,7 @@ def test_parallel_samples_fork_after_the_prompt_and_copy_on_first_write():
     bm.append_slots = lambda sid, toks: copies.append(append(sid, toks)) or copies[-1]
     req = s.add_request(0, prompt(6), SamplingParams(max_tokens=4, n=3))
     out, _ = step(s)
-    assert out.scheduled[0].num_samples == 3 and len(req.seqs) == 3
+    assert out.scheduled[0].num_candidates == 3 and len(req.seqs) == 3
     tables = [bm.get_block_table(q.seq_id) for q in req.seqs]
     assert tables[0] == tables[1] == tables[2]                     # the prompt's 2 blocks shared
     assert [bm.ref_count(b) for b in tables[0]] == [3, 3]
@@ -411,3 +411,21 @@ def test_output_processor_needs_only_the_block_manager_ids_and_max_model_len():
         bm.allocate(30, req2.seqs[0].token_ids)
         apply_samples(req2, [ScheduledSeq(req2, req2.seqs[0], 2, True, 3, ())], {30: [(1, 0.0)]},
                       bm, lambda: 31, max_model_len=64)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=5, n=3),
+                                    SamplingParams(max_tokens=5, beam_width=3),
+                                    SamplingParams(max_tokens=5)])
+def test_scheduler_asks_num_candidates_and_counts_the_tokens_it_keeps(params):
+    """Every sampling entry carries what SamplingParams.num_candidates rules; the scheduler's
+    generated-token counter equals the tokens in the finished outputs (dropped beams' excluded)
+    and its prompt-token counter the prefill tokens scheduled."""
+    s = make(block_size=4, num_gpu_blocks=64)
+    req = s.add_request(0, prompt(9), params)
+    outs, _ = drain(s)
+    for out in outs:
+        for e in out.scheduled:
+            if e.num_candidates:
+                assert e.num_candidates == params.num_candidates(first_token=e.is_prefill)
+    assert s.num_generated_tokens == sum(len(t) for t in req.outputs()) == 5 * params.num_seqs
+    assert s.num_prompt_tokens == sum(o.num_prefill_tokens for o in outs) == 9

@@ -26,6 +26,13 @@ def test_num_seqs_and_beam_flag():
     assert beam.num_seqs == 4 and beam.use_beam_search
 
 
+def test_num_candidates_is_the_one_rule_for_samples_and_beams():
+    assert [SamplingParams(n=n).num_candidates(first) for n in (1, 4) for first in (True, False)] \
+        == [1, 1, 4, 1]
+    assert [SamplingParams(beam_width=w).num_candidates(first) for w in (2, 3)
+            for first in (True, False)] == [4, 4, 6, 6]
+
+
 def test_prefill_target_is_prompt_then_all_but_last_token():
     seq = Sequence(0, (1, 2, 3))
     assert seq.prefill_target == 3 and seq.needs_prefill and seq.last_token_id == 3

@@ -69,20 +69,6 @@ _FINISH = {SequenceStatus.FINISHED_STOPPED: "stop",
            SequenceStatus.FINISHED_IGNORED: "ignored"}
 
 
-def _num_generated(out: SchedulerOutput) -> int:
-    """Tokens a step generated: one per sampled candidate kept -- ``num_samples`` for a
-    prompt forking into n samples, 1 for a decode, ``beam_width`` per beam-search request."""
-    total, beams = 0, {}
-    for e in out.scheduled:
-        if not e.num_samples:
-            continue
-        if e.request.sampling_params.use_beam_search:
-            beams[id(e.request)] = e.request.sampling_params.beam_width
-        else:
-            total += e.num_samples
-    return total + sum(beams.values())
-
-
 class LLMEngine:
     """Paged-KV serving of one model. Defaults fit the tiny model on a CPU.
 
@@ -128,7 +114,11 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self.last_output: SchedulerOutput | None = None
         self.num_steps = 0
-        self.num_generated_tokens = 0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated so far: one per sample, one per kept beam, per step."""
+        return self.scheduler.num_generated_tokens
 
     def now(self) -> float:
         """Seconds since the engine started."""
@@ -182,13 +172,11 @@ class LLMEngine:
         logits = self.runner.execute_model(out.scheduled)
         samples = {e.seq.seq_id: sample(e, logits[e.seq.seq_id],
                                         self._seeds[e.request.request_id])
-                   for e in out.scheduled if e.num_samples}
+                   for e in out.scheduled if e.num_candidates}
         now = self.now()
         finished = sched.update(out, samples, now)
         self.num_steps += 1
-        generated = _num_generated(out)
-        self.num_generated_tokens += generated
-        self.metrics.update(sched, out.num_prefill_tokens, generated)
+        self.metrics.update(sched)
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]

@@ -135,7 +135,7 @@ class ModelRunner:
     @torch.no_grad()
     def execute_model(self, scheduled: Sequence[ScheduledSeq]) -> dict[int, torch.Tensor]:
         """Run the forward over the batch; ``{seq_id: logits [vocab]}`` (float32, on the CPU)
-        of the last fed token of each entry with ``num_samples > 0``."""
+        of the last fed token of each entry with ``num_candidates > 0``."""
         if not scheduled:
             return {}
         input_ids, positions, meta = self.prepare_inputs(scheduled)
@@ -143,4 +143,4 @@ class ModelRunner:
                             impl=self.attn_impl)                      # [num_tokens, vocab]
         rows = meta.last_token_indices().to(logits.device)
         last = logits.index_select(0, rows).cpu()                     # [num_seqs, vocab]
-        return {e.seq.seq_id: last[i] for i, e in enumerate(scheduled) if e.num_samples}
+        return {e.seq.seq_id: last[i] for i, e in enumerate(scheduled) if e.num_candidates}

@@ -1,10 +1,11 @@
 """The sampler: logits -> the (token, logprob) candidates the scheduler asked for.
 
-For each scheduled entry that samples (``num_samples > 0``):
+For each scheduled entry that samples (``num_candidates > 0``, as
+:meth:`~course_lib.sequence.SamplingParams.num_candidates` rules):
 
-* **beam search**: the ``num_samples`` (= 2 x beam width) most likely tokens with their
+* **beam search**: the ``num_candidates`` (= 2 x beam width) most likely tokens with their
   log-probabilities; the scheduler's beam step keeps the best ``beam_width`` (beam + token).
-* **greedy** (``temperature == 0``): the argmax, ``num_samples`` times (the same token for
+* **greedy** (``temperature == 0``): the argmax, ``num_candidates`` times (the same token for
   each parallel sample).
 * **random**: ``softmax(logits / temperature)`` cut to the smallest set of tokens whose
   probability reaches ``top_p`` (nucleus sampling), sampled with a ``torch.Generator`` seeded
@@ -60,12 +61,12 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, base_seed: int, ind
 
 
 def sample(entry: ScheduledSeq, logits: torch.Tensor, base_seed: int) -> list[tuple[int, float]]:
-    """The ``entry.num_samples`` candidates of one scheduled sequence (see module docstring).
+    """The ``entry.num_candidates`` candidates of one scheduled sequence (module docstring).
 
     ``base_seed``: the request's ``SamplingParams.seed``, or a seed the engine drew for it."""
-    params, seq, k = entry.request.sampling_params, entry.seq, entry.num_samples
+    params, seq, k = entry.request.sampling_params, entry.seq, entry.num_candidates
     if k < 1:
-        raise ValueError(f"seq {seq.seq_id} samples nothing (num_samples={k})")
+        raise ValueError(f"seq {seq.seq_id} samples nothing (num_candidates={k})")
     if params.use_beam_search:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top = torch.topk(logprobs, min(k, logprobs.numel()))

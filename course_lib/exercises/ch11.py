@@ -102,9 +102,9 @@ def mini_step(eng: MiniEngine) -> list[Request]:
         last = logits[meta.last_token_indices()]
         logprobs = torch.log_softmax(last, dim=-1)
         for i, e in enumerate(out.scheduled):
-            if e.num_samples:
+            if e.num_candidates:
                 token = int(last[i].argmax())
-                samples[e.seq.seq_id] = [(token, float(logprobs[i, token]))] * e.num_samples
+                samples[e.seq.seq_id] = [(token, float(logprobs[i, token]))] * e.num_candidates
     return eng.sched.update(out, samples)
 
 

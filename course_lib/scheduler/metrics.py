@@ -84,12 +84,12 @@ class Metrics:
         cache_info = Gauge("vllm:cache_config_info", "Information of the KV-cache config.",
                            list(info), registry=reg)
         cache_info.labels(**{k: str(v) for k, v in info.items()}).set(1)
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "generation": 0}
         self.update(scheduler)
 
-    def update(self, scheduler: Scheduler, num_prompt_tokens: int = 0,
-               num_generation_tokens: int = 0) -> None:
-        """Read the scheduler's queues and the block manager's pools (after a step)."""
+    def update(self, scheduler: Scheduler) -> None:
+        """Read the scheduler's queues and counters and the block manager's pools (after a
+        step): the engine and the model-free replay feed the metrics the same way."""
         m, bm = self.model_name, scheduler.block_manager
         self.num_requests_running.labels(m).set(len(scheduler.running))
         self.num_requests_waiting.labels(m).set(len(scheduler.waiting))
@@ -102,14 +102,13 @@ class Metrics:
         for key, now, counter in (("preemptions", scheduler.num_preemptions,
                                    self.num_preemptions),
                                   ("queries", stats.queries, self.prefix_cache_queries),
-                                  ("hits", stats.hits, self.prefix_cache_hits)):
+                                  ("hits", stats.hits, self.prefix_cache_hits),
+                                  ("prompt", scheduler.num_prompt_tokens, self.prompt_tokens),
+                                  ("generation", scheduler.num_generated_tokens,
+                                   self.generation_tokens)):
             if now > self._seen[key]:
                 counter.labels(m).inc(now - self._seen[key])
                 self._seen[key] = now
-        if num_prompt_tokens:
-            self.prompt_tokens.labels(m).inc(num_prompt_tokens)
-        if num_generation_tokens:
-            self.generation_tokens.labels(m).inc(num_generation_tokens)
 
     def observe_finished(self, requests: Iterable[Request]) -> None:
         """TTFT, TPOT and end-to-end latency of finished requests (ignored ones are skipped)."""

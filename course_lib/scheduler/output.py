@@ -24,7 +24,7 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int       # tokens fed: a prefill chunk, or 1 for a decode
     is_prefill: bool
-    num_samples: int      # (token, logprob) candidates the sampler must return (0: none)
+    num_candidates: int   # (token, logprob) pairs the sampler must return (0: samples nothing)
     block_ids: list[int]  # the sequence's block table once this step's slots are reserved
 
 

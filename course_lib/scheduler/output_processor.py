@@ -26,32 +26,36 @@ def _append(seq: Sequence, token: int, logprob: float) -> None:
 
 def _candidates(samples: Samples, e: ScheduledSeq) -> SequenceABC[tuple[int, float]]:
     cands = samples.get(e.seq.seq_id)
-    if cands is None or len(cands) != e.num_samples:
+    if cands is None or len(cands) != e.num_candidates:
         got = None if cands is None else len(cands)
-        raise ValueError(f"seq {e.seq.seq_id} needs {e.num_samples} sampled candidates, got {got}")
+        raise ValueError(f"seq {e.seq.seq_id} needs {e.num_candidates} sampled candidates, "
+                         f"got {got}")
     return cands
 
 
 def apply_samples(req: Request, entries: list[ScheduledSeq], samples: Samples,
                   block_manager: BlockManager, new_seq_id: Callable[[], int],
-                  max_model_len: int) -> None:
+                  max_model_len: int) -> int:
     """Append the step's tokens of ``req`` (``entries``: its entries that sampled), then
     finish the sequences that drew a stop token or reached ``max_tokens`` / ``max_model_len``.
-    ``new_seq_id()`` names each forked sample or beam."""
+    ``new_seq_id()`` names each forked sample or beam. Returns the tokens generated: one per
+    sample, or one per beam kept."""
     bm = block_manager
     if req.sampling_params.use_beam_search:
-        _beam_step(req, entries, samples, bm, new_seq_id)
+        generated = _beam_step(req, entries, samples, bm, new_seq_id)
     else:
+        generated = 0
         for e in entries:
             cands, seq = _candidates(samples, e), e.seq
             children = []
-            for i in range(1, e.num_samples):      # the prompt forks into n samples
+            for i in range(1, e.num_candidates):   # the prompt forks into n samples
                 child = seq.fork(new_seq_id(), i)
                 bm.fork(seq.seq_id, child.seq_id)
                 children.append(child)
             req.seqs += children
             for s, (token, logprob) in zip([seq, *children], cands, strict=True):
                 _append(s, token, logprob)
+            generated += len(cands)
     params, max_len = req.sampling_params, max_model_len
     stop = () if params.use_beam_search else params.stop_token_ids
     for seq in req.unfinished_seqs:
@@ -64,12 +68,13 @@ def apply_samples(req: Request, entries: list[ScheduledSeq], samples: Samples,
     if req.is_finished:
         stopped = all(s.status == SequenceStatus.FINISHED_STOPPED for s in req.seqs)
         req.finish_reason = "stop" if stopped else "length"
+    return generated
 
 
 def _beam_step(req: Request, entries: list[ScheduledSeq], samples: Samples, bm: BlockManager,
-               new_seq_id: Callable[[], int]) -> None:
+               new_seq_id: Callable[[], int]) -> int:
     """Keep the ``beam_width`` best (beam + token) by cumulative logprob: a beam picked k
-    times is forked k - 1 times, a beam never picked is freed."""
+    times is forked k - 1 times, a beam never picked is freed. Returns the beams kept."""
     width = req.sampling_params.beam_width
     scored = [(e.seq.cumulative_logprob + lp, token, e.seq)
               for e in entries for token, lp in _candidates(samples, e)]
@@ -100,3 +105,4 @@ def _beam_step(req: Request, entries: list[ScheduledSeq], samples: Samples, bm: 
         survivors.append(beam)
     req.seqs = [s for s in req.seqs if s.status == SequenceStatus.FINISHED_LENGTH_CAPPED] \
         + survivors
+    return len(survivors)

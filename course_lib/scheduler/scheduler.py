@@ -54,6 +54,8 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.num_steps = 0
         self.num_preemptions = 0           # vllm:num_preemptions_total
+        self.num_prompt_tokens = 0         # vllm:prompt_tokens_total (recomputed ones included)
+        self.num_generated_tokens = 0      # vllm:generation_tokens_total
         self._next_seq_id = 0
 
     # ------------------------------------------------------------------------ requests
@@ -139,12 +141,11 @@ class Scheduler:
 
     def _schedule_decode(self, req: Request, seqs: list[Sequence], budget: SchedulingBudget,
                          out: SchedulerOutput) -> None:
-        num_samples = 2 * req.sampling_params.beam_width if \
-            req.sampling_params.use_beam_search else 1
+        num_candidates = req.sampling_params.num_candidates(first_token=False)
         bm = self.block_manager
         for seq in seqs:
             out.blocks_to_copy += bm.append_slots(seq.seq_id, [seq.last_token_id])
-            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_samples,
+            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_candidates,
                                               bm.get_block_table(seq.seq_id)))
         budget.add(len(seqs), len(seqs))
 
@@ -169,12 +170,10 @@ class Scheduler:
             if chunk == 0:
                 break
             left -= chunk
-            num_samples = 0
+            num_candidates = 0
             if chunk == remaining and not seq.output_token_ids:   # the prompt's last chunk
-                num_samples = req.sampling_params.num_seqs
-                if req.sampling_params.use_beam_search:
-                    num_samples *= 2
-            entries.append(ScheduledSeq(req, seq, chunk, True, num_samples,
+                num_candidates = req.sampling_params.num_candidates(first_token=True)
+            entries.append(ScheduledSeq(req, seq, chunk, True, num_candidates,
                                         self.block_manager.get_block_table(seq.seq_id)))
         if entries:
             out.scheduled += entries
@@ -256,7 +255,9 @@ class Scheduler:
                samples: Mapping[int, SequenceABC[tuple[int, float]]],
                now: float = 0.0) -> list[Request]:
         """Apply a step's results: ``samples[seq_id]`` holds the (token, logprob) candidates
-        of each scheduled entry with ``num_samples > 0``. Returns the requests finished now."""
+        of each scheduled entry with ``num_candidates > 0``. Returns the requests finished now.
+        Counts the prompt tokens computed and the tokens generated (``num_prompt_tokens``,
+        ``num_generated_tokens``: what ``vllm:prompt_tokens`` / ``generation_tokens`` count)."""
         bm = self.block_manager
         sampled: dict[int, list[ScheduledSeq]] = {}     # request_id -> its entries that sample
         for e in out.scheduled:
@@ -267,14 +268,17 @@ class Scheduler:
                 req.first_scheduled_time = now
             seq.num_computed_tokens += e.num_tokens
             bm.mark_blocks_as_computed(seq.seq_id, seq.num_computed_tokens)
-            if e.num_samples:
+            if e.is_prefill:
+                self.num_prompt_tokens += e.num_tokens
+            if e.num_candidates:
                 sampled.setdefault(req.request_id, []).append(e)
         finished = []
         for entries in sampled.values():
             req = entries[0].request
             if req.first_token_time is None:
                 req.first_token_time = now
-            apply_samples(req, entries, samples, bm, self.new_seq_id, self.config.max_model_len)
+            self.num_generated_tokens += apply_samples(req, entries, samples, bm,
+                                                       self.new_seq_id, self.config.max_model_len)
             if req.is_finished:
                 req.finished_time = now
                 finished.append(req)

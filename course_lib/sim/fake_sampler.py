@@ -18,9 +18,10 @@ if TYPE_CHECKING:
     from ..scheduler.output import SchedulerOutput
 
 
-def fake_sample(request: Request, seq: Sequence, num_samples: int,
+def fake_sample(request: Request, seq: Sequence, num_candidates: int,
                 vocab_size: int = 32000) -> list[tuple[int, float]]:
-    """A deterministic stand-in for a model's sampler: ``num_samples`` (token, logprob) pairs.
+    """A deterministic stand-in for a model's sampler: ``num_candidates`` (token, logprob)
+    pairs (:meth:`~course_lib.sequence.SamplingParams.num_candidates`).
 
     The token depends only on (request, sample index, position) -- or, for beam search, on the
     beam's tokens -- never on batching or preemption, so a run with preemption must produce
@@ -31,18 +32,18 @@ def fake_sample(request: Request, seq: Sequence, num_samples: int,
     if request.sampling_params.use_beam_search:
         key = (request.request_id, tuple(seq.output_token_ids))
         return [(hash((key, j, 0)) % vocab_size, -((hash((key, j, 1)) % 1000) + 1) / 100)
-                for j in range(num_samples)]
-    first = seq.index if num_samples == 1 else 0
+                for j in range(num_candidates)]
+    first = seq.index if num_candidates == 1 else 0
     return [(hash((request.request_id, first + i, pos)) % vocab_size, -1.0)
-            for i in range(num_samples)]
+            for i in range(num_candidates)]
 
 
 def fake_samples(out: SchedulerOutput, vocab_size: int = 32000
                  ) -> dict[int, list[tuple[int, float]]]:
     """``{seq_id: candidates}`` for every entry of ``out`` that samples (what
     ``Scheduler.update`` takes): the model-free half of an engine step."""
-    return {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples, vocab_size)
-            for e in out.scheduled if e.num_samples}
+    return {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_candidates, vocab_size)
+            for e in out.scheduled if e.num_candidates}
 
 
 def expected_tokens(prompt_token_ids: SequenceABC[int], request_id: int, index: int,

@@ -278,7 +278,7 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
             tuple((e.request.request_id, e.num_tokens, e.is_prefill) for e in out.scheduled)
             if record_batches else (), tuple(out.preempted)))
         if metrics is not None:
-            metrics.update(sched, out.num_prefill_tokens, out.num_decode_tokens)
+            metrics.update(sched)
             metrics.observe_finished(finished)
         bar.update(len(finished))
         if len(steps) >= max_steps:
@@ -288,8 +288,8 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
     ttfts = [r.first_token_time - r.arrival_time for r in done]
     tpots = [(r.finished_time - r.first_token_time) / (r.num_output_tokens - 1)
              for r in done if r.num_output_tokens > 1]
-    generated = sum(len(s.output_token_ids) for r in requests for s in r.seqs)
     return ReplayResult(requests, steps, now, sched.num_preemptions, swap_preemptions,
                         swap_blocks * bs * cost.kv_bytes_per_token,
-                        bm.prefix_cache_stats.hit_rate, generated, ignored, ttfts, tpots,
+                        bm.prefix_cache_stats.hit_rate, sched.num_generated_tokens, ignored,
+                        ttfts, tpots,
                         metrics, sched)
