@@ -7,8 +7,15 @@ The random, stateful counterpart is tests/test_block_manager_stateful.py.
 from __future__ import annotations
 
 import pytest
+from memory_helpers import snapshot
 
-from course_lib.memory import ROOT_HASH, AllocStatus, BlockManager, NoFreeBlocksError
+from course_lib.memory import (
+    ROOT_HASH,
+    AllocStatus,
+    BlockAllocator,
+    BlockManager,
+    NoFreeBlocksError,
+)
 
 BS = 4
 
@@ -19,17 +26,6 @@ def mgr(gpu=16, cpu=0, bs=BS, **kw) -> BlockManager:
 
 def cached(gpu=16, **kw) -> BlockManager:
     return mgr(gpu, enable_prefix_caching=True, **kw)
-
-
-def snapshot(m: BlockManager):
-    """Everything a rejected call must leave untouched."""
-    tables = {s: (t.device, list(t.blocks), list(t.token_ids), list(t.block_hashes),
-                  t.num_cached_blocks) for s, t in m._tables.items()}
-    cache = None
-    if m.cache is not None:
-        cache = (m.cache.evictable_blocks(), dict(m.cache._key_of), m.cache.num_collisions)
-    return (list(m.gpu.ref_counts), list(m.cpu.ref_counts), m.gpu.free_block_ids(),
-            m.cpu.free_block_ids(), tables, cache, m.prefix_cache_stats)
 
 
 def rejects(m: BlockManager, exc, match, fn, *args):
@@ -109,12 +105,40 @@ def test_usage_counts_a_shared_block_once():
     assert (u.num_total_blocks, u.num_free_blocks, u.num_cached_free_blocks) == (10, 7, 0)
     assert u.block_usage == pytest.approx(3 / 10)
     assert u.token_usage == pytest.approx((4 + 4 + 2) / 40)
+    assert (u.num_held_blocks, u.num_table_entries) == (3, 6) and u.sharing_saving == 0.5
     m.append_slots(1, [99])                           # CoW: seq 1 gets block 3 with 3 tokens
     u = m.usage()
     assert u.block_usage == pytest.approx(4 / 10)
     assert u.token_usage == pytest.approx((4 + 4 + 2 + 3) / 40)
-    assert m.usage("cpu").block_usage == 0.0
+    assert m.usage("cpu").block_usage == 0.0 and m.usage("cpu").sharing_saving == 0.0
     m.check_invariants()
+
+
+def test_pool_owns_the_free_block_policy():
+    """Free blocks before evictable ones; evictable in LRU order; an eviction tells the
+    prefix cache; a hit on an evictable block holds it again; every block in one state."""
+    pool = BlockAllocator("gpu", 4)
+    evicted = []
+    pool.on_evict = evicted.append
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    assert (a, b, c) == (0, 1, 2) and pool.num_free_blocks == 1
+    pool.release([c, b], cached={1, 2})               # tail first: 2 then 1 become evictable
+    pool.release([a])                                 # never cached: back on the stack
+    assert pool.evictable_block_ids() == [2, 1] and pool.free_block_ids() == [3, 0]
+    assert pool.num_free_blocks == 4 and pool.num_evictable_blocks == 2
+    pool.touch([1])                                   # a prefix-cache hit on block 1
+    assert pool.evictable_block_ids() == [2] and pool.ref_counts[1] == 1
+    assert [pool.allocate() for _ in range(3)] == [0, 3, 2] and evicted == [2]
+    with pytest.raises(NoFreeBlocksError, match="no free gpu blocks"):
+        pool.allocate()
+    with pytest.raises(KeyError):
+        BlockAllocator("gpu", 2).touch([0])           # a free block cannot gain a reference
+    pool.check_invariants()
+    pool._free.append(1)                              # fault: a held block on the stack
+    with pytest.raises(AssertionError, match="held block is free or evictable"):
+        pool.check_invariants()
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockAllocator("cpu", -1)
 
 
 # -------------------------------------------------------------- fork, copy-on-write
@@ -238,11 +262,11 @@ def test_freed_cached_block_is_reused_by_identical_prompt():
     m.mark_blocks_as_computed(0, 9)
     first = m.get_block_table(0)
     m.free(0)
-    assert m.cache.evictable_blocks() == [first[1], first[0]]
+    assert m.gpu.evictable_block_ids() == [first[1], first[0]]
     assert m.num_free_gpu_blocks == 16                # parked blocks count as free
     assert m.allocate(1, toks(9)) == 8
     assert m.get_block_table(1)[:2] == first[:2]      # same physical blocks
-    assert m.cache.num_evictable == 0
+    assert m.gpu.num_evictable_blocks == 0
     m.check_invariants()
 
 
@@ -254,10 +278,10 @@ def test_lru_eviction_oldest_sequence_first_and_tail_before_prefix():
     m.mark_blocks_as_computed("B", 9)
     m.free("A")
     m.free("B")
-    assert m.cache.evictable_blocks() == [1, 0, 4, 3]
+    assert m.gpu.evictable_block_ids() == [1, 0, 4, 3]
     m.allocate("C", toks(24, 500))                    # 6 new blocks, no hit
     assert m.get_block_table("C") == [5, 2, 1, 0, 4, 3]  # free stack first, then LRU order
-    assert m.cache.num_evictable == 0 and not m.cache.is_cached(1)
+    assert m.gpu.num_evictable_blocks == 0 and not m.cache.is_cached(1)
     m.check_invariants()
 
 
@@ -298,7 +322,7 @@ def test_reset_prefix_cache_only_when_nothing_is_held():
     assert m.cache.is_cached(m.get_block_table(0)[0])
     m.free(0)
     assert m.reset_prefix_cache() is True
-    assert m.cache.num_evictable == 0 and m.gpu.num_free_blocks == 8
+    assert m.gpu.num_evictable_blocks == 0 and m.gpu.num_free_blocks == 8
     assert m.allocate(1, toks(9)) == 0
     m.check_invariants()
 
@@ -416,16 +440,22 @@ def test_swap_out_without_cpu_room_changes_nothing():
 
 
 def test_swap_in_without_gpu_room_changes_nothing_and_free_returns_cpu_blocks():
-    m = mgr(4, cpu=8)
+    m = mgr(6, cpu=8)
     forked_group(m)
     m.swap_out([0, 1, 2])
-    m.allocate(9, toks(13))                           # 4 blocks: GPU full
+    # back in: 4 distinct blocks, then the next decode copies the partial block 2 for 0 and 2
+    assert m.swap_in_need([0, 1, 2]) == 4 + 2 and m.num_blocks_to_append([0, 1, 2]) == 2
+    m.allocate(9, toks(13))                           # 4 blocks: 2 left
     assert m.can_swap_in([0, 1, 2]) is AllocStatus.LATER
     rejects(m, NoFreeBlocksError, "GPU", m.swap_in, [0, 1, 2])
     for s in (0, 1, 2):
         m.free(s)
     assert m.num_free_cpu_blocks == 8 and m.cpu.ref_counts == [0] * 8
     m.check_invariants()
+    small = mgr(4, cpu=8)
+    forked_group(small)
+    small.swap_out([0, 1, 2])
+    assert small.can_swap_in([0, 1, 2]) is AllocStatus.NEVER   # 6 > 4: it could never decode
 
 
 def test_swap_in_part_of_a_group_keeps_the_shared_cpu_blocks():

@@ -16,20 +16,11 @@ from __future__ import annotations
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from memory_helpers import snapshot
 
 from course_lib.memory import BlockManager, NoFreeBlocksError
 
 PREFIXES = [(1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 3, 4, 7, 7), (5, 5, 5, 5, 5, 5, 5, 5)]
-
-
-def snapshot(m: BlockManager):
-    tables = {s: (t.device, list(t.blocks), list(t.token_ids), list(t.block_hashes),
-                  t.num_cached_blocks) for s, t in m._tables.items()}
-    cache = None
-    if m.cache is not None:
-        cache = (dict(m.cache._block_of), dict(m.cache._key_of), list(m.cache._evictor))
-    return (list(m.gpu.ref_counts), list(m.gpu._free), list(m.cpu.ref_counts),
-            list(m.cpu._free), tables, cache, m.prefix_cache_queries, m.prefix_cache_hits)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -125,7 +125,8 @@ def test_parallel_sampling_shares_the_prompt_and_gives_n_reproducible_samples(mo
 
     def watch(e: LLMEngine, out) -> None:
         if e.block_manager.seq_ids():
-            shared.append((e.num_held_blocks(), e.num_unshared_blocks()))
+            shared.append((e.block_manager.usage().num_held_blocks,
+                           e.block_manager.usage().num_table_entries))
 
     out = engine.generate(prompt, params, on_step=watch)[0]
     samples = [c.token_ids for c in out.outputs]
@@ -148,8 +149,9 @@ def test_beam_search_returns_width_beams_by_score_sharing_blocks(model) -> None:
     engine = make_engine(model, block_size=4)
     seen = []
     out = engine.generate("And God said", SamplingParams(max_tokens=20, beam_width=4),
-                          on_step=lambda e, o: seen.append((e.num_held_blocks(),
-                                                            e.num_unshared_blocks())))[0]
+                          on_step=lambda e, o: seen.append((e.block_manager.usage().num_held_blocks,
+                                                            e.block_manager.usage()
+                                                            .num_table_entries)))[0]
     assert len(out.outputs) == 4
     scores = [c.cumulative_logprob for c in out.outputs]
     assert scores == sorted(scores, reverse=True)
@@ -172,15 +174,15 @@ def test_abort_frees_the_blocks_at_once(model) -> None:
     b = engine.add_request("Jesus wept. And", SamplingParams(max_tokens=30, n=3, seed=0))
     engine.step()
     engine.step()
-    assert engine.num_held_blocks() > 0
-    held = engine.num_held_blocks()
+    assert engine.block_manager.usage().num_held_blocks > 0
+    held = engine.block_manager.usage().num_held_blocks
     assert engine.abort_request(b) and not engine.abort_request(b)
-    assert 0 < engine.num_held_blocks() < held          # b's blocks are back, a's are not
+    assert 0 < engine.block_manager.usage().num_held_blocks < held   # b gave its blocks back
     engine.step()                                       # a keeps running alone
     assert [r.request_id for r in engine.scheduler.running] == [a]
     assert engine.abort_request(a)
     engine.check_invariants()
-    assert engine.num_held_blocks() == 0
+    assert engine.block_manager.usage().num_held_blocks == 0
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert_all_blocks_back(engine)
 

@@ -142,21 +142,18 @@ def test_each_tuning_row_shows_its_symptom_and_the_fix_helps():
     assert "symptom: cache usage > 90%" in text and "2x GPU blocks" in text
 
 
-def test_filled_slots_match_the_block_managers_token_usage():
-    from course_lib.scheduler import Scheduler
-    from course_lib.sequence import SamplingParams
-    from course_lib.sim.fake_sampler import fake_samples
-    from course_lib.sim.replay import _filled_slots
+def test_replay_steps_record_the_block_managers_usage_with_forks():
+    """Each step's KV usage is BlockManager.usage() (whose O(tables) count of filled slots
+    check_invariants compares with a block-by-block walk), shared partial blocks included."""
+    from course_lib.sim.traces import TraceRequest
 
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32),
-                  CacheConfig(block_size=4, num_gpu_blocks=60, watermark=0.0))
-    for i in range(5):
-        s.add_request(i, tuple(range(i, i + 7 + 3 * i)), SamplingParams(max_tokens=9, n=1 + i % 3))
-    while s.has_unfinished_requests():
-        out = s.schedule()
-        usage = s.block_manager.usage()
-        assert _filled_slots(s) == round(usage.token_usage * 60 * 4)
-        s.update(out, fake_samples(out))
+    trace = [TraceRequest(i, 0.0, tuple(range(i, i + 7 + 3 * i)), 9, n=1 + i % 3)
+             for i in range(5)]
+    r = replay(trace, SchedulerConfig(max_num_batched_tokens=32),
+               CacheConfig(block_size=4, num_gpu_blocks=60, watermark=0.0),
+               check_invariants=True)
+    assert any(0 < s.gpu_token_usage < s.gpu_block_usage for s in r.steps)
+    assert r.steps[-1].gpu_block_usage == r.steps[-1].gpu_token_usage == 0.0
 
 
 def test_swap_space_in_blocks():

@@ -228,17 +228,6 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:
-        """The scheduler's queues, the block tables and the pools agree."""
+        """The scheduler's queues, the block tables and the pools agree (the scheduler's
+        check includes the block manager's)."""
         self.scheduler.check_invariants()
-        self.block_manager.check_invariants()
-
-    def num_held_blocks(self) -> int:
-        """GPU blocks held by sequences now (a shared block counts once)."""
-        bm = self.block_manager
-        return sum(1 for r in bm.gpu.ref_counts if r > 0)
-
-    def num_unshared_blocks(self) -> int:
-        """GPU blocks the running sequences would hold if nothing were shared."""
-        bm = self.block_manager
-        return sum(len(bm.get_table(s).blocks) for s in bm.seq_ids()
-                   if bm.get_table(s).device == "gpu")

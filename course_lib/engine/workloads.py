@@ -183,8 +183,9 @@ def sharing_savings(engine: LLMEngine, trace: Sequence[TraceRequest],
     acc = SharingResult(0, 0)
 
     def watch(e: LLMEngine, out) -> None:
-        acc.held_block_steps += e.num_held_blocks()
-        acc.unshared_block_steps += e.num_unshared_blocks()
+        usage = e.block_manager.usage()
+        acc.held_block_steps += usage.num_held_blocks
+        acc.unshared_block_steps += usage.num_table_entries
 
     run_trace(engine, trace, params=params, progress=progress, on_step=watch)
     return acc

@@ -21,7 +21,7 @@ NoFreeBlocksError when the pool is short) leaves the manager exactly as it was.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 from .block_table import BlockTable, cdiv
@@ -37,12 +37,38 @@ class AllocStatus(enum.Enum):
 
 
 class BlockUsage(NamedTuple):
+    """How full one pool is: the figures the metrics, the replay and the engine all report."""
+
     device: str
+    block_size: int
     num_total_blocks: int
     num_free_blocks: int         # includes cached blocks no sequence holds (evictable)
-    num_cached_free_blocks: int
-    block_usage: float           # held blocks / total blocks  (vllm:gpu_cache_usage_perc)
-    token_usage: float           # filled slots of held blocks / total slots
+    num_cached_free_blocks: int  # those evictable cached blocks
+    num_table_entries: int       # block-table entries: the blocks held if nothing were shared
+    num_filled_slots: int        # slots of held blocks that hold a token
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks some sequence holds (a shared block counts once)."""
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def block_usage(self) -> float:
+        """Held blocks / total blocks (``vllm:gpu_cache_usage_perc``)."""
+        return self.num_held_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+    @property
+    def token_usage(self) -> float:
+        """Slots holding a token / all slots of the pool."""
+        slots = self.num_total_blocks * self.block_size
+        return self.num_filled_slots / slots if slots else 0.0
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of block-table entries that sharing saves now: 1 - held / entries."""
+        if not self.num_table_entries:
+            return 0.0
+        return 1 - self.num_held_blocks / self.num_table_entries
 
 
 class PrefixCacheStats(NamedTuple):
@@ -88,6 +114,10 @@ class BlockManager:
         self.cpu = BlockAllocator("cpu", num_cpu_blocks)
         cache = PrefixCache(prefix_caching_hash_algo)   # validates the algorithm name
         self.cache = cache if enable_prefix_caching else None
+        # what the GPU pool must keep evictable when a block's last reference goes
+        self._cached: Container[int] = cache.cached_block_ids() if self.cache else ()
+        if self.cache is not None:
+            self.gpu.on_evict = cache.forget
         self._tables: dict[int, BlockTable] = {}
         self.prefix_cache_queries = 0   # tokens (vllm:prefix_cache_queries_total)
         self.prefix_cache_hits = 0      # tokens (vllm:prefix_cache_hits_total)
@@ -96,11 +126,11 @@ class BlockManager:
     @property
     def num_free_gpu_blocks(self) -> int:
         """Blocks an allocation can take now: the free stack plus evictable cached blocks."""
-        return len(self.gpu._free) + (len(self.cache._evictor) if self.cache else 0)
+        return self.gpu.num_free_blocks
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self.cpu._free)
+        return self.cpu.num_free_blocks
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -137,32 +167,6 @@ class BlockManager:
             raise ValueError(f"seq {seq_id} is on {table.device}, this needs it on {device}")
         return table
 
-    # ------------------------------------------------------------ GPU block primitives
-    def _alloc_gpu(self) -> int:
-        """A free GPU block with ref 1: from the free stack, else evict the LRU cached block."""
-        if self.gpu._free:
-            block = self.gpu._free.pop()
-        else:
-            block = self.cache.evict()   # caller checked num_free_gpu_blocks
-        self.gpu.ref_counts[block] = 1
-        return block
-
-    def _release_gpu(self, block: int) -> None:
-        """Drop one reference; at zero a cached block stays findable, others go free."""
-        refs = self.gpu.ref_counts
-        refs[block] -= 1
-        if refs[block] == 0:
-            if self.cache is not None and self.cache.is_cached(block):
-                self.cache.park(block)
-            else:
-                self.gpu._free.append(block)
-
-    def _touch(self, block: int) -> None:
-        """Take one more reference to a cached block (a prefix-cache hit)."""
-        if self.gpu.ref_counts[block] == 0:
-            self.cache.unpark(block)
-        self.gpu.ref_counts[block] += 1
-
     # ------------------------------------------------------------------ prefix caching
     def mark_blocks_as_computed(self, seq_id: int, num_computed_tokens: int) -> None:
         """Tell the cache that the first ``num_computed_tokens`` tokens' K/V are written.
@@ -184,9 +188,10 @@ class BlockManager:
         a held block may be mid-use); returns whether the reset happened."""
         if self.cache is None:
             return True
-        if len(self.gpu._free) + self.cache.num_evictable != self.num_gpu_blocks:
+        if self.gpu.num_free_blocks != self.num_gpu_blocks:
             return False
-        self.gpu._free.extend(self.cache.clear())
+        self.gpu.drop_evictable()
+        self.cache.clear()
         return True
 
     # -------------------------------------------------------------- allocate a prompt
@@ -205,7 +210,7 @@ class BlockManager:
         free = self.num_free_gpu_blocks
         if self.cache is not None and not isinstance(token_ids, int):
             probe = BlockTable(-1, self.block_size, token_ids=list(token_ids), extra_key=extra_key)
-            hits = self.cache.hash_and_match(probe)
+            hits, _ = self.cache.hash_and_match(probe)
             required -= len(hits)
             free -= sum(1 for b in hits if self.gpu.ref_counts[b] == 0)
         return AllocStatus.OK if free - required >= self.watermark_blocks else AllocStatus.LATER
@@ -221,15 +226,16 @@ class BlockManager:
                              f"GPU pool has {self.num_gpu_blocks}: it can never fit")
         table = BlockTable(seq_id, self.block_size, token_ids=list(token_ids), extra_key=extra_key)
         hits: list[int] = []
+        collided = False
         if self.cache is not None:
-            hits = self.cache.hash_and_match(table)
+            hits, collided = self.cache.hash_and_match(table)
         free = self.num_free_gpu_blocks - sum(1 for b in hits if self.gpu.ref_counts[b] == 0)
         if required - len(hits) > free:
             raise NoFreeBlocksError(f"seq {seq_id} needs {required - len(hits)} new GPU blocks, "
                                     f"{free} are free; ask can_allocate() first")
-        for block in hits:
-            self._touch(block)
-        table.blocks = hits + [self._alloc_gpu() for _ in range(required - len(hits))]
+        self.gpu.touch(hits)
+        allocate = self.gpu.allocate
+        table.blocks = hits + [allocate() for _ in range(required - len(hits))]
         table.num_cached_blocks = len(hits)
         table.cache_parent = self.cache.identity(hits[-1]) if hits else None
         self._tables[seq_id] = table
@@ -237,14 +243,27 @@ class BlockManager:
         if self.cache is not None:
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_cached_tokens
+            self.cache.num_collisions += collided
         return num_cached_tokens
 
     # ----------------------------------------------------- grow: the decode hot path
     def _append_need(self, table: BlockTable, num_new_tokens: int) -> tuple[int, bool]:
+        """(new blocks, whether the shared partial last block is copied first) for
+        ``num_new_tokens`` more tokens; sharing is read on the table's own device."""
         n, blocks = len(table.token_ids), table.blocks
-        cow = num_new_tokens > 0 and n % self.block_size != 0 \
-            and self.gpu.ref_counts[blocks[-1]] > 1
+        refs = self.gpu.ref_counts if table.device == "gpu" else self.cpu.ref_counts
+        cow = num_new_tokens > 0 and n % self.block_size != 0 and refs[blocks[-1]] > 1
         return (n + num_new_tokens + self.block_size - 1) // self.block_size - len(blocks), cow
+
+    def num_blocks_to_append(self, seq_ids: Iterable[int]) -> int:
+        """GPU blocks one more token for each of these sequences takes (a decode step of a
+        group): a new block per full last block, a copy per shared partial last block. Also
+        for a swapped-out group, whose sharing is the same on the CPU."""
+        need = 0
+        for seq_id in seq_ids:
+            new_blocks, cow = self._append_need(self._get(seq_id), 1)
+            need += new_blocks + cow
+        return need
 
     def can_append_slots(self, seq_id: int, num_new_tokens: int = 1) -> bool:
         """Is there room for ``num_new_tokens`` more tokens (new blocks + a CoW copy)?"""
@@ -278,15 +297,15 @@ class BlockManager:
         if new_blocks + cow > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"seq {seq_id} needs {new_blocks + cow} GPU blocks, "
                                     f"{self.num_free_gpu_blocks} are free; preempt something")
-        blocks = table.blocks
+        blocks, allocate = table.blocks, self.gpu.allocate
         copies: list[tuple[int, int]] = []
         if cow:
             src = blocks[-1]
-            blocks[-1] = self._alloc_gpu()
-            self.gpu.ref_counts[src] -= 1      # was > 1, stays >= 1
+            blocks[-1] = allocate()
+            self.gpu.release((src,))           # was > 1, stays >= 1
             copies.append((src, blocks[-1]))
         for _ in range(new_blocks):
-            blocks.append(self._alloc_gpu())
+            blocks.append(allocate())
         if self.cache is not None:
             tokens.extend(token_ids)           # tokens before these are computed by now:
             if table.num_cached_blocks < n // bs:
@@ -304,9 +323,7 @@ class BlockManager:
         parent = self._get(parent_seq_id, "gpu")
         if child_seq_id in self._tables:
             raise ValueError(f"seq {child_seq_id!r} is already allocated; pick a new child id")
-        refs = self.gpu.ref_counts
-        for block in parent.blocks:
-            refs[block] += 1
+        self.gpu.touch(parent.blocks)
         self._tables[child_seq_id] = parent.copy(child_seq_id)
 
     def free(self, seq_id: int) -> None:
@@ -315,11 +332,9 @@ class BlockManager:
         table = self._get(seq_id)
         del self._tables[seq_id]
         if table.device == "gpu":
-            for block in reversed(table.blocks):
-                self._release_gpu(block)
+            self.gpu.release(reversed(table.blocks), self._cached)
         else:
-            for block in reversed(table.blocks):
-                self._release_cpu(block)
+            self.cpu.release(reversed(table.blocks))
 
     # ------------------------------------------------------------------------- swapping
     def _group(self, seq_ids: Iterable[int], device: str) -> tuple[list[BlockTable], list[int]]:
@@ -343,13 +358,20 @@ class BlockManager:
             raise NoFreeBlocksError(f"swap out needs {len(distinct)} CPU blocks, "
                                     f"{self.num_free_cpu_blocks} are free (raise swap_space)")
         mapping = {b: self.cpu.allocate() for b in distinct}
-        self._move(tables, mapping, self.cpu, self._release_gpu)
+        self._move(tables, mapping, self.gpu, self.cpu)
         for table in tables:
             table.num_cached_blocks, table.cache_parent = 0, None   # re-offered after swap-in
         return list(mapping.items())
 
+    def swap_in_need(self, seq_ids: Iterable[int]) -> int:
+        """GPU blocks a swapped-out group needs to come back and decode one step: its
+        distinct blocks plus :meth:`num_blocks_to_append`."""
+        seq_ids = list(seq_ids)
+        return len(self._group(seq_ids, "cpu")[1]) + self.num_blocks_to_append(seq_ids)
+
     def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
-        need = len(self._group(seq_ids, "cpu")[1])
+        """Room to swap the group in and run its next decode step, keeping the watermark?"""
+        need = self.swap_in_need(seq_ids)
         if need > self.num_gpu_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         return AllocStatus.OK if self.num_free_gpu_blocks - need >= self.watermark_blocks \
@@ -361,72 +383,68 @@ class BlockManager:
         if len(distinct) > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"swap in needs {len(distinct)} GPU blocks, "
                                     f"{self.num_free_gpu_blocks} are free")
-        mapping = {b: self._alloc_gpu() for b in distinct}
-        self._move(tables, mapping, self.gpu, self._release_cpu)
+        mapping = {b: self.gpu.allocate() for b in distinct}
+        self._move(tables, mapping, self.cpu, self.gpu)
         return list(mapping.items())
 
-    def _release_cpu(self, block: int) -> None:
-        self.cpu.ref_counts[block] -= 1
-        if self.cpu.ref_counts[block] == 0:
-            self.cpu.free(block)
-
-    def _move(self, tables: list[BlockTable], mapping: dict[int, int], dst: BlockAllocator,
-              release_src) -> None:
-        """Point the tables at the destination blocks, release the source ones, and set each
-        destination block's ref count to its number of entries in the group."""
+    def _move(self, tables: list[BlockTable], mapping: dict[int, int], src: BlockAllocator,
+              dst: BlockAllocator) -> None:
+        """Point the tables at the destination blocks (each allocated once, ref 1) and release
+        the source ones; a destination block gets one reference per entry in the group."""
+        seen: set[int] = set()
         for table in tables:
             old = table.blocks
             table.blocks = [mapping[b] for b in old]
             table.device = dst.device
-            for block in reversed(old):
-                release_src(block)
-        refs = dst.ref_counts
-        for block in mapping.values():
-            refs[block] = 0
-        for table in tables:
-            for block in table.blocks:
-                refs[block] += 1
+            src.release(reversed(old), self._cached if src is self.gpu else ())
+            dst.touch([b for b in table.blocks if b in seen or seen.add(b)])
 
     # --------------------------------------------------------------------- usage, checks
     def usage(self, device: str = "gpu") -> BlockUsage:
-        """Block- and token-level occupancy of one pool (a shared block counts once)."""
-        pool = self.pool(device)
-        parked = self.cache.num_evictable if (self.cache is not None and device == "gpu") else 0
-        free = len(pool._free) + parked
-        filled: dict[int, int] = {}
-        bs = self.block_size
+        """Occupancy of one pool, O(sequences on it): only a sequence's last block can have
+        empty slots, and a partial block shared by several tables has the same fill in each
+        (a write into a shared block copies it first), so each last block counts once."""
+        pool, bs = self.pool(device), self.block_size
+        entries, empty = 0, {}
         for table in self._tables.values():
-            if table.device != device:
-                continue
-            last = len(table.blocks) - 1
-            tail = table.num_tokens - last * bs
-            for i, block in enumerate(table.blocks):
-                filled[block] = max(filled.get(block, 0), bs if i < last else tail)
-        total = pool.num_blocks
-        return BlockUsage(device, total, free, parked,
-                          (total - free) / total if total else 0.0,
-                          sum(filled.values()) / (total * bs) if total else 0.0)
+            if table.device == device:
+                entries += len(table.blocks)
+                empty[table.blocks[-1]] = -table.num_tokens % bs
+        held = pool.num_blocks - pool.num_free_blocks
+        return BlockUsage(device, bs, pool.num_blocks, pool.num_free_blocks,
+                          pool.num_evictable_blocks, entries, held * bs - sum(empty.values()))
 
     def check_invariants(self) -> None:
-        """Assert the invariants of DESIGN.md; cheap enough for tests, not for the hot path."""
-        self.gpu.check_invariants()
-        self.cpu.check_invariants()
-        parked = set(self.cache.evictable_blocks()) if self.cache else set()
-        if self.cache is not None:
-            self.cache.check_invariants()
-            assert not parked & set(self.gpu._free), "a block is both free and parked"
-        for pool, extra_free in ((self.gpu, parked), (self.cpu, set())):
+        """Assert the block manager's invariants (``docs/design_notes.md``): each pool's
+        blocks are held, free or evictable, exactly one of them; a block's ref count is its
+        number of block-table entries; evictable blocks are cached; every table is well formed
+        and its cached blocks hold its tokens; ``usage()`` agrees with a block-by-block count.
+        Cheap enough for tests, not for the hot path."""
+        for pool in (self.gpu, self.cpu):
+            pool.check_invariants()
             entries = [0] * pool.num_blocks
+            filled: dict[int, int] = {}
             for table in self._tables.values():
-                if table.device == pool.device:
-                    for block in table.blocks:
-                        entries[block] += 1
+                if table.device != pool.device:
+                    continue
+                last = len(table.blocks) - 1
+                for i, block in enumerate(table.blocks):
+                    entries[block] += 1
+                    fill = self.block_size if i < last \
+                        else table.num_tokens - last * self.block_size
+                    filled[block] = max(filled.get(block, 0), fill)
             assert entries == pool.ref_counts, f"{pool.device}: ref counts != table entries"
-            held = sum(1 for r in pool.ref_counts if r > 0)
-            free = len(pool._free) + len(extra_free)
-            assert held + free == pool.num_blocks, \
-                f"{pool.device}: {held} held + {free} free != {pool.num_blocks} blocks"
-            assert all(pool.ref_counts[b] == 0 for b in extra_free), "a held block is parked"
+            usage = self.usage(pool.device)
+            assert usage.num_filled_slots == sum(filled.values()), \
+                f"{pool.device}: usage() counts {usage.num_filled_slots} filled slots, " \
+                f"the blocks hold {sum(filled.values())}"
+        evictable = self.gpu.evictable_block_ids()
+        if self.cache is None:
+            assert not evictable, "evictable blocks without a prefix cache"
+        else:
+            self.cache.check_invariants()
+            assert all(self.cache.is_cached(b) for b in evictable), "evictable block not cached"
+        assert not self.cpu.evictable_block_ids(), "evictable blocks in the CPU pool"
         for table in self._tables.values():
             table.check_invariants()
             assert table.block_size == self.block_size

@@ -9,18 +9,19 @@ cache salt) so that equal tokens under different conditions never match.
 
 Only full blocks are cached: a partially filled block is still being written.
 
-A cached block whose reference count drops to zero is *not* freed: it is parked in an LRU
-evictor, still findable by hash, until a new allocation needs the space. Blocks of one freed
-sequence are parked tail first, so the end of a chain is evicted before its beginning (a
-beginning is shared by more future requests). This is vLLM's free-block queue idea.
+A cached block whose reference count drops to zero is *not* forgotten: the block pool
+(``pool.BlockAllocator``) keeps it evictable, in LRU order, still findable by hash here, until
+an allocation needs the space and evicts it (then :meth:`PrefixCache.forget` drops its hash).
+Blocks of one freed sequence become evictable tail first, so the end of a chain is evicted
+before its beginning (a beginning is shared by more future requests). This cache holds only
+the hash <-> block maps; which free block goes next is the pool's policy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, KeysView
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class BlockKey(NamedTuple):
 
 
 class PrefixCache:
-    """The hash -> block map and the LRU of cached blocks that no sequence holds."""
+    """The hash -> block map of every registered block (held or evictable), verified lookups."""
 
     def __init__(self, hash_algo: str = "builtin") -> None:
         if hash_algo not in HASH_FUNCTIONS:
@@ -78,7 +79,6 @@ class PrefixCache:
         self._block_of: dict[int, int] = {}             # block_hash -> block id
         self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
         self._generation: dict[int, int] = {}           # block id -> times it was registered
-        self._evictor: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
         self.num_collisions = 0                         # hash matched, content did not
 
     # --- lookup and registration -------------------------------------------------------
@@ -110,6 +110,10 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self._key_of
 
+    def cached_block_ids(self) -> KeysView[int]:
+        """The registered block ids: a live, read-only view (``in`` is O(1))."""
+        return self._key_of.keys()
+
     def key_of(self, block: int) -> BlockKey | None:
         return self._key_of.get(block)
 
@@ -129,17 +133,19 @@ class PrefixCache:
         return BlockKey(table.block_hashes[i], parent_hash,
                         tuple(table.token_ids[i * bs:(i + 1) * bs]), table.extra_key, parent)
 
-    def hash_and_match(self, table: BlockTable) -> list[int]:
+    def hash_and_match(self, table: BlockTable) -> tuple[list[int], bool]:
         """Hash every full block of a new sequence (into ``table.block_hashes``) and return the
         cached blocks of its longest matching prefix, leaving at least one token to compute
-        (the model must run on something to produce the next token's logits).
+        (the model must run on something to produce the next token's logits), and whether
+        the walk stopped at a collision (a hash match whose key differs; the caller counts it
+        once the allocation is done, so that a probe or a rejected call changes nothing).
         One pass, one tuple per block: this runs for every prompt."""
         tokens, bs, extra = table.token_ids, table.block_size, table.extra_key
         hashes, hash_fn, block_of, key_of = table.block_hashes, self.hash_fn, self._block_of, \
             self._key_of
         max_hits = (len(tokens) - 1) // bs
         hits: list[int] = []
-        parent_hash, parent, matching = ROOT_HASH, None, True
+        parent_hash, parent, matching, collided = ROOT_HASH, None, True, False
         for i in range(len(hashes), len(tokens) // bs):
             block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
             block_hash = hash_fn(parent_hash, block_tokens, extra)
@@ -151,10 +157,10 @@ class PrefixCache:
                     hits.append(block)
                     parent = (block, self._generation[block])
                 else:
-                    self.num_collisions += block is not None
+                    collided = block is not None
                     matching = False
             parent_hash = block_hash
-        return hits
+        return hits, collided
 
     def register(self, table: BlockTable, upto: int) -> None:
         """Offer full, computed blocks ``num_cached_blocks .. upto-1`` to the prefix cache.
@@ -170,43 +176,20 @@ class PrefixCache:
             parent = None if block is None else cache.identity(block)
         table.num_cached_blocks, table.cache_parent = upto, parent
 
-    # --- the evictor: cached blocks with ref count 0 --------------------------------------
-    @property
-    def num_evictable(self) -> int:
-        return len(self._evictor)
-
-    def park(self, block: int) -> None:
-        """A cached block's ref count reached 0: keep it findable, newest at the MRU end."""
-        self._evictor[block] = None
-
-    def unpark(self, block: int) -> None:
-        """A parked block was hit again: it is held, no longer evictable."""
-        del self._evictor[block]
-
-    def is_parked(self, block: int) -> bool:
-        return block in self._evictor
-
-    def evict(self) -> int:
-        """Drop the least recently used parked block from the cache and return its id."""
-        block, _ = self._evictor.popitem(last=False)
+    # --- forgetting --------------------------------------------------------------------
+    def forget(self, block: int) -> None:
+        """The pool evicted this block for a new allocation: its hash no longer finds it."""
         key = self._key_of.pop(block)
         del self._block_of[key.block_hash]
-        return block
 
-    def clear(self) -> list[int]:
-        """Forget every cached block; return the parked ones (the caller frees them)."""
-        parked = list(self._evictor)
-        self._evictor.clear()
+    def clear(self) -> None:
+        """Forget every cached block (the pool frees the evictable ones)."""
         self._block_of.clear()
         self._key_of.clear()
-        return parked
-
-    def evictable_blocks(self) -> list[int]:
-        """Parked block ids, next victim first (for drawings and checks)."""
-        return list(self._evictor)
 
     def check_invariants(self) -> None:
-        """The two maps are inverse; every key re-hashes to its hash; parked blocks are cached."""
+        """The two maps are inverse; every key re-hashes to its hash; a live parent holds the
+        prefix its child claims."""
         assert len(self._block_of) == len(self._key_of), "hash map and key map differ in size"
         for block, key in self._key_of.items():
             assert self._block_of.get(key.block_hash) == block, f"block {block}: map out of sync"
@@ -216,5 +199,3 @@ class PrefixCache:
                     and self.identity(key.parent[0]) == key.parent:   # the parent is still live
                 assert self._key_of[key.parent[0]].block_hash == key.parent_hash, \
                     f"block {block}: its parent holds another prefix"
-        for block in self._evictor:
-            assert block in self._key_of, f"parked block {block} is not cached"

@@ -1,8 +1,12 @@
 """The scheduler's questions to the block manager: is there room, and can this ever fit?
 
-* :func:`append_need`: GPU blocks the next decode step of some sequences takes.
 * :func:`can_allocate`: can a waiting request's sequences get their blocks (now, later, never)?
 * :func:`never_fits`: why a request can never run (a sentence), or None.
+* :func:`too_big_to_grow`, :func:`too_big_to_swap_in`: why a running or swapped request must
+  be given up.
+
+Room for a decode step or a swap-in is the block manager's own answer
+(``num_blocks_to_append``, ``can_swap_in``); only the request-level reasons live here.
 """
 
 from __future__ import annotations
@@ -10,18 +14,6 @@ from __future__ import annotations
 from ..config import SchedulerConfig
 from ..memory import AllocStatus, BlockManager, cdiv
 from ..sequence import Request, Sequence
-
-
-def append_need(bm: BlockManager, seqs: list[Sequence]) -> int:
-    """GPU blocks one decode step of these sequences takes: a new block for each full last
-    block, a copy for each shared partial last block (copy-on-write). Works for sequences
-    swapped out too (their tables are on the CPU, with the same sharing)."""
-    bs, need = bm.block_size, 0
-    for seq in seqs:
-        table = bm.get_table(seq.seq_id)
-        if table.num_tokens % bs == 0 or bm.ref_count(table.blocks[-1], table.device) > 1:
-            need += 1
-    return need
 
 
 def can_allocate(bm: BlockManager, seqs: list[Sequence]) -> AllocStatus:
@@ -58,6 +50,7 @@ def too_big_to_grow(bm: BlockManager, req: Request) -> str:
             f"(raise num_gpu_blocks or lower max_model_len / max_tokens)")
 
 
-def too_big_to_swap_in(bm: BlockManager, req: Request, need: int) -> str:
+def too_big_to_swap_in(bm: BlockManager, req: Request) -> str:
+    need = bm.swap_in_need(s.seq_id for s in req.unfinished_seqs)
     return (f"request {req.request_id} needs {need} GPU blocks to come back, the pool has "
             f"{bm.num_gpu_blocks} (watermark {bm.watermark_blocks})")

@@ -94,10 +94,8 @@ class Metrics:
         self.num_requests_running.labels(m).set(len(scheduler.running))
         self.num_requests_waiting.labels(m).set(len(scheduler.waiting))
         self.num_requests_swapped.labels(m).set(len(scheduler.swapped))
-        # held blocks / total, as BlockManager.usage() computes it, without walking the tables
-        gpu, cpu = bm.num_gpu_blocks, bm.num_cpu_blocks
-        self.gpu_cache_usage.labels(m).set(1 - bm.num_free_gpu_blocks / gpu if gpu else 0.0)
-        self.cpu_cache_usage.labels(m).set(1 - bm.num_free_cpu_blocks / cpu if cpu else 0.0)
+        self.gpu_cache_usage.labels(m).set(bm.usage("gpu").block_usage)
+        self.cpu_cache_usage.labels(m).set(bm.usage("cpu").block_usage)
         stats = bm.prefix_cache_stats
         for key, now, counter in (("preemptions", scheduler.num_preemptions,
                                    self.num_preemptions),

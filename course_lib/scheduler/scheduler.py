@@ -118,7 +118,7 @@ class Scheduler:
             if not budget.can_schedule(len(seqs), len(seqs)):
                 kept.append(req)        # stays running, waits for a step with room
                 continue
-            while checks.append_need(bm, seqs) > bm.num_free_gpu_blocks:
+            while bm.num_blocks_to_append(s.seq_id for s in seqs) > bm.num_free_gpu_blocks:
                 victim = self.victim_policy([req, *queue])
                 if victim is req and not queue and not kept:
                     self._finish(req, S.FINISHED_ABORTED, checks.too_big_to_grow(bm, req))
@@ -203,15 +203,13 @@ class Scheduler:
         while self.swapped:
             req = self.swapped[0]
             seqs = req.unfinished_seqs
-            tables = [bm.get_table(s.seq_id) for s in seqs]
-            need = len({b for t in tables for b in t.blocks}) + checks.append_need(bm, seqs)
-            if need > bm.num_gpu_blocks - bm.watermark_blocks:
+            status = bm.can_swap_in(s.seq_id for s in seqs)
+            if status is AllocStatus.NEVER:
                 self.swapped.pop(0)
-                self._finish(req, S.FINISHED_IGNORED, checks.too_big_to_swap_in(bm, req, need))
+                self._finish(req, S.FINISHED_IGNORED, checks.too_big_to_swap_in(bm, req))
                 out.ignored.append(req)
                 continue
-            if bm.num_free_gpu_blocks - need < bm.watermark_blocks \
-                    or not budget.can_schedule(len(seqs), len(seqs)):
+            if status is AllocStatus.LATER or not budget.can_schedule(len(seqs), len(seqs)):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in([s.seq_id for s in seqs])

@@ -122,20 +122,6 @@ class StepRecord:
     preempted: tuple[tuple[int, str], ...] = ()
 
 
-def _filled_slots(sched: Scheduler) -> int:
-    """Slots of held GPU blocks that hold a token: only a sequence's last block can have
-    empty slots (a shared last block counted once). O(running sequences), unlike
-    ``BlockManager.usage`` which walks every block."""
-    bm, bs = sched.block_manager, sched.block_manager.block_size
-    empty: dict[int, int] = {}
-    for req in sched.running:
-        for seq in req.unfinished_seqs:
-            table = bm.get_table(seq.seq_id)
-            empty[table.blocks[-1]] = -table.num_tokens % bs
-    held = bm.num_gpu_blocks - bm.num_free_gpu_blocks
-    return held * bs - sum(empty.values())
-
-
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
@@ -236,7 +222,6 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
     if on_metrics is not None:
         on_metrics(metrics)
     bm, bs = sched.block_manager, sched.cache_config.block_size
-    total_slots = max(1, bm.num_gpu_blocks * bs)
     trace = sorted(trace, key=lambda t: (t.arrival_time, t.request_id))
     requests: list[Request] = []
     steps: list[StepRecord] = []
@@ -269,11 +254,11 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
         swap_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         swap_preemptions += sum(1 for _, mode in out.preempted if mode == "swap")
         ignored += len(out.ignored)
-        held = _filled_slots(sched)
+        usage = bm.usage()
         steps.append(StepRecord(
             now, dt, len(out.scheduled), out.num_prefill_tokens, out.num_decode_tokens,
             len(sched.running), len(sched.waiting), len(sched.swapped),
-            1 - bm.num_free_gpu_blocks / max(1, bm.num_gpu_blocks), held / total_slots,
+            usage.block_usage, usage.token_usage,
             len(out.preempted),
             tuple((e.request.request_id, e.num_tokens, e.is_prefill) for e in out.scheduled)
             if record_batches else (), tuple(out.preempted)))

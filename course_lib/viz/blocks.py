@@ -77,7 +77,7 @@ def pool_view(manager: BlockManager, labels: Mapping[int, str] | None = None) ->
             chunk = tuple(table.token_ids[i * bs:(i + 1) * bs])
             if len(chunk) >= filled.get(block, -1):
                 filled[block], tokens[block] = len(chunk), chunk
-    parked = manager.cache.evictable_blocks() if manager.cache is not None else []
+    parked = manager.gpu.evictable_block_ids()
     rank = {b: i for i, b in enumerate(parked)}
     blocks = []
     for b in range(manager.num_gpu_blocks):

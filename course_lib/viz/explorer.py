@@ -243,11 +243,11 @@ class PrefixCacheSession:
 
     def lru_order(self) -> list[int]:
         """Cached blocks no request holds, next victim first."""
-        return self.manager.cache.evictable_blocks()
+        return self.manager.gpu.evictable_block_ids()
 
     @property
     def num_held_blocks(self) -> int:
-        return self.manager.num_gpu_blocks - self.manager.num_free_gpu_blocks
+        return self.manager.usage().num_held_blocks
 
 
 def short_hash(h: int) -> str:

@@ -36,7 +36,8 @@ class TableHistory:
                 table = bm.get_table(seqs[0].seq_id)
                 snap[req.request_id] = (table.num_tokens, list(table.blocks))
         self.steps.append(snap)
-        self.shared.append((engine.num_held_blocks(), engine.num_unshared_blocks()))
+        usage = bm.usage()
+        self.shared.append((usage.num_held_blocks, usage.num_table_entries))
 
     def request_ids(self) -> list[int]:
         return sorted({r for s in self.steps for r in s})
