@@ -96,8 +96,19 @@ class SequenceStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in FINISHED_STATUSES
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The short code a client sees (vLLM's ``finish_reason``): ``"stop"``, ``"length"``,
+        ``"abort"``, ``"ignored"`` (vLLM V0 reports an ignored request as ``"length"``; the
+        course keeps the two apart), or None while unfinished."""
+        return FINISH_REASONS.get(self)
+
 
 FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED"))
+FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
+                  SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+                  SequenceStatus.FINISHED_ABORTED: "abort",
+                  SequenceStatus.FINISHED_IGNORED: "ignored"}
 
 
 @dataclass(eq=False)
@@ -155,7 +166,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    finish_reason: str | None = None     # a sentence a learner can read
+    finish_reason: str | None = None     # a short code: "stop", "length", "abort", "ignored"
+    finish_detail: str | None = None     # why it was aborted or ignored: a sentence to read
     num_preemptions: int = 0
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache (first time)
 

@@ -227,6 +227,7 @@ def test_prompt_longer_than_the_context_is_ignored_not_run(model) -> None:
     out = engine.generate([[65] * 300, TOK.encode("And")], SamplingParams(max_tokens=3,
                                                                           temperature=0.0))
     assert out[0].outputs[0].finish_reason == "ignored" and out[0].outputs[0].token_ids == []
+    assert out[0].finish_reason == "ignored" and "max_model_len" in out[0].finish_detail
     assert len(out[1].outputs[0].token_ids) == 3
     assert_all_blocks_back(engine)
 

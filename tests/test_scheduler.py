@@ -130,7 +130,7 @@ def test_a_request_that_can_never_fit_is_ignored_once(kwargs, word):
     out, finished = step(s)
     assert out.ignored == [bad] and bad in finished
     assert all(q.status == SequenceStatus.FINISHED_IGNORED for q in bad.seqs)
-    assert word in bad.finish_reason
+    assert bad.finish_reason == "ignored" and word in bad.finish_detail
     assert [e.request for e in out.scheduled] == [good]      # the loop goes on
     _, finished = drain(s)
     assert finished == [good] and bad not in s.waiting
@@ -310,7 +310,8 @@ def test_a_request_too_big_to_grow_alone_is_aborted_with_a_reason():
     req = s.add_request(0, prompt(10), SamplingParams(max_tokens=40))
     _, finished = drain(s)
     assert finished == [req] and req.seqs[0].status == SequenceStatus.FINISHED_ABORTED
-    assert "cannot grow" in req.finish_reason and len(req.seqs[0].output_token_ids) == 7
+    assert req.finish_reason == "abort" and "cannot grow" in req.finish_detail
+    assert len(req.seqs[0].output_token_ids) == 7
     assert s.block_manager.num_free_gpu_blocks == 4
 
 
@@ -349,7 +350,7 @@ def test_abort_a_swapped_and_a_waiting_request():
     late = s.add_request(9, prompt(5), SamplingParams(max_tokens=2), arrival_time=9.0)
     assert s.abort_request(2) and s.abort_request(9)
     assert s.block_manager.num_free_cpu_blocks == 8 and late not in s.waiting
-    assert reqs[2].finish_reason == "aborted by the user"
+    assert reqs[2].finish_reason == "abort" and reqs[2].finish_detail == "aborted by the user"
     s.check_invariants()
     drain(s)
     assert s.block_manager.num_free_gpu_blocks == 9

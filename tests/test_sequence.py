@@ -77,3 +77,10 @@ def test_beam_candidates_depend_on_the_beam_tokens():
     z = Sequence(6, (4, 5), output_token_ids=[2])
     assert fake_sample(req, x, 4) == fake_sample(req, y, 4) != fake_sample(req, z, 4)
     assert all(lp < 0 for _, lp in fake_sample(req, x, 4))
+
+
+def test_finish_reasons_are_short_codes():
+    S = SequenceStatus
+    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort",
+                                            "ignored"]
+    assert all(s.is_finished == (s.finish_reason is not None) for s in S)

@@ -29,7 +29,7 @@ from ..config import CacheConfig, SchedulerConfig
 from ..model import EOS_ID, ByteTokenizer, TinyLlama
 from ..scheduler import Scheduler, SchedulerOutput
 from ..scheduler.metrics import Metrics
-from ..sequence import Request, SamplingParams, SequenceStatus
+from ..sequence import Request, SamplingParams
 from .model_runner import ModelRunner
 from .sampler import sample
 
@@ -43,7 +43,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     cumulative_logprob: float
-    finish_reason: str        # "stop" (EOS), "length", "aborted"
+    finish_reason: str | None  # "stop" (EOS or a stop token), "length", "abort", "ignored"
 
 
 @dataclass
@@ -57,16 +57,12 @@ class RequestOutput:
     num_preemptions: int
     ttft: float | None        # arrival -> first token
     latency: float | None     # arrival -> finished
+    finish_reason: str | None = None   # the request's code (see CompletionOutput)
+    finish_detail: str | None = None   # why it was aborted or ignored, in a sentence
 
     @property
     def text(self) -> str:
         return self.outputs[0].text if self.outputs else ""
-
-
-_FINISH = {SequenceStatus.FINISHED_STOPPED: "stop",
-           SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
-           SequenceStatus.FINISHED_ABORTED: "aborted",
-           SequenceStatus.FINISHED_IGNORED: "ignored"}
 
 
 class LLMEngine:
@@ -188,12 +184,13 @@ class LLMEngine:
         outs = [CompletionOutput(i if req.sampling_params.use_beam_search else s.index,
                                  list(s.output_token_ids),
                                  self.tokenizer.decode(s.output_token_ids),
-                                 s.cumulative_logprob, _FINISH.get(s.status, "running"))
+                                 s.cumulative_logprob, s.status.finish_reason)
                 for i, s in enumerate(seqs)]
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         latency = None if req.finished_time is None else req.finished_time - req.arrival_time
         return RequestOutput(req.request_id, list(req.prompt_token_ids), outs,
-                             req.num_cached_tokens, req.num_preemptions, ttft, latency)
+                             req.num_cached_tokens, req.num_preemptions, ttft, latency,
+                             req.finish_reason, req.finish_detail)
 
     # ----------------------------------------------------------------------- generate
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -89,12 +89,14 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.unfinished_seqs) for r in self.running)
 
-    def _finish(self, req: Request, status: SequenceStatus, reason: str) -> None:
+    def _finish(self, req: Request, status: SequenceStatus, detail: str) -> None:
+        """Finish every live sequence of ``req`` with ``status`` (its short code becomes the
+        request's ``finish_reason``) and free their blocks; ``detail`` says why."""
         for seq in req.unfinished_seqs:
             if self.block_manager.has_seq(seq.seq_id):
                 self.block_manager.free(seq.seq_id)
             seq.status = status
-        req.finish_reason = reason
+        req.finish_reason, req.finish_detail = status.finish_reason, detail
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
