@@ -44,6 +44,17 @@ class Backend:
     def uses_triton(self) -> bool:
         return self.name != TORCH_REFERENCE
 
+    def triton_runs_on(self, *where) -> bool:
+        """Can the Triton kernels run on these tensors (or devices, or device names) here?
+        Triton must be installed and they must live where it runs: CUDA when compiled, the
+        CPU when interpreted. The fact every choice in ``course_lib.kernels`` asks."""
+        import torch
+
+        def device_type(w) -> str:
+            return w.device.type if isinstance(w, torch.Tensor) else torch.device(w).type
+
+        return self.uses_triton and all(device_type(w) == self.device for w in where)
+
     @property
     def gpu_name(self) -> str | None:
         """The GPU's name, or None on CPU. Asked lazily: it initialises CUDA, detection does not."""

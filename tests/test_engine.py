@@ -249,7 +249,7 @@ def test_engine_on_cuda_gives_the_contiguous_tokens_with_swap_and_forks() -> Non
     ref = [generate_contiguous(cuda_model, TOK.encode(p), GREEDY.max_tokens) for p in PROMPTS]
     engine = make_engine(cuda_model, block_size=4, num_gpu_blocks=30, num_cpu_blocks=64,
                          mode="swap")
-    assert engine.runner.attn_impl == "auto"
+    assert engine.runner.attn.name == "triton"
     assert tokens(engine.generate(PROMPTS, GREEDY)) == ref
     assert engine.runner.num_swapped_blocks > 0
     fork = engine.generate("And God said unto Moses, I", SamplingParams(max_tokens=8, n=3,

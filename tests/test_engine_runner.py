@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib.engine.model_runner import ModelRunner, resolve_attn_impl
+from course_lib.engine.model_runner import ModelRunner
 from course_lib.engine.sampler import sample_one, sample_seed, top_p_probs
 from course_lib.engine.workloads import model_trace, run_static
 from course_lib.kernels.batched import paged_attention_batched
@@ -95,9 +95,6 @@ def test_runner_executes_swaps_and_copies_in_order() -> None:
     no_swap = ModelRunner(model, 4, 6, 0, "reference")
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         no_swap.execute_cache_ops(out)
-    with pytest.raises(ValueError, match="attn_impl"):
-        resolve_attn_impl("cuda")
-    assert resolve_attn_impl("auto") == "torch" == resolve_attn_impl("auto", "cpu")
     assert runner.kv_bytes_per_block == 2 * 4 * 4 * 2 * 32 * 4
     BlockManager(4, 6)   # the runner holds no bookkeeping of its own
 

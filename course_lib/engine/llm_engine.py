@@ -70,7 +70,8 @@ class LLMEngine:
 
     ``scheduler_config.max_model_len`` defaults to (and may not exceed) the model's context.
     ``cache_config.num_cpu_blocks > 0`` gives swap space (needed for ``preemption_mode="swap"``).
-    ``attn_impl``: see :func:`course_lib.engine.model_runner.resolve_attn_impl`. ``stop_token_ids``
+    ``attn_impl``: ``"auto"``, ``"triton"``, ``"reference"`` or ``"torch"``
+    (:func:`course_lib.kernels.backends.get_attn_backend` resolves it once). ``stop_token_ids``
     are added to every request's ``SamplingParams.stop_token_ids``: a sequence that samples one
     stops (the token is kept), as ``generate_contiguous`` does; beam search ignores them (the
     scheduler's beam step keeps ``beam_width`` live beams).

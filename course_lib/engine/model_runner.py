@@ -24,43 +24,26 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels.cache_ops import copy_blocks, swap_blocks
-from ..kernels.reference import copy_blocks_ref
+from ..kernels.backends import AttentionBackend, get_attn_backend
+from ..kernels.cache_ops import swap_blocks
 from ..model.attention import AttentionMetadata, make_attention_metadata
 from ..model.llama import KVCache, TinyLlama, allocate_kv_caches
 from ..scheduler.output import ScheduledSeq, SchedulerOutput
-
-ATTN_IMPLS = ("auto", "triton", "reference", "torch")
-
-
-def resolve_attn_impl(attn_impl: str, device: torch.device | str = "cpu") -> str:
-    """The kernels the engine runs. ``"auto"``: the compiled Triton kernels on a GPU; on a CPU
-    ``"torch"`` (:mod:`course_lib.kernels.batched`: the batch in a few torch ops),
-    because Triton's interpreter costs ~10 ms per token per layer just to write the cache (a
-    tiny-model decode step: ~2 s instead of ~10 ms), and the reference loops over sequences.
-    ``"triton"`` forces the Triton kernels (interpreted on CPU: a few tokens only);
-    ``"reference"`` the torch spec of :mod:`course_lib.kernels.reference`. A model on the CPU
-    gets ``"torch"`` even on a GPU machine (the kernels need CUDA tensors)."""
-    if attn_impl not in ATTN_IMPLS:
-        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-    if attn_impl != "auto":
-        return attn_impl
-    from ..device import BACKEND
-
-    on_cpu = torch.device(device).type != "cuda"
-    return "torch" if on_cpu or BACKEND.interpreted or not BACKEND.uses_triton else "auto"
 
 
 class ModelRunner:
     """Cache tensors + forward pass for one model (see the module docstring)."""
 
     def __init__(self, model: TinyLlama, block_size: int, num_gpu_blocks: int,
-                 num_cpu_blocks: int = 0, attn_impl: str = "auto") -> None:
+                 num_cpu_blocks: int = 0, attn_impl: str | AttentionBackend = "auto") -> None:
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.attn_impl = resolve_attn_impl(attn_impl, self.device)
+        # the kernels, resolved once (course_lib.kernels.backends): "auto" is the compiled
+        # Triton kernels on a GPU, and on a CPU the batched torch path, because Triton's
+        # interpreter costs ~10 ms per token per layer just to write the cache
+        self.attn = get_attn_backend(attn_impl, self.device)
         cfg = model.config
         self.gpu_caches: list[KVCache] = allocate_kv_caches(cfg, num_gpu_blocks, block_size,
                                                             self.dtype, self.device)
@@ -96,10 +79,7 @@ class ModelRunner:
         if out.blocks_to_copy:
             pairs = torch.tensor(out.blocks_to_copy, dtype=torch.int64, device=self.device)
             for key_cache, value_cache in self.gpu_caches:
-                if self.attn_impl in ("reference", "torch"):
-                    copy_blocks_ref(key_cache, value_cache, pairs)
-                else:
-                    copy_blocks(key_cache, value_cache, pairs)
+                self.attn.copy_blocks(key_cache, value_cache, pairs)
         self.num_swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         self.num_copied_blocks += len(out.blocks_to_copy)
 
@@ -140,7 +120,7 @@ class ModelRunner:
             return {}
         input_ids, positions, meta = self.prepare_inputs(scheduled)
         logits = self.model(input_ids, positions, self.gpu_caches, meta,
-                            impl=self.attn_impl)                      # [num_tokens, vocab]
+                            impl=self.attn)                           # [num_tokens, vocab]
         rows = meta.last_token_indices().to(logits.device)
         last = logits.index_select(0, rows).cpu()                     # [num_seqs, vocab]
         return {e.seq.seq_id: last[i] for i, e in enumerate(scheduled) if e.num_candidates}

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels.backends import get_attn_backend
 from ..model.attention import make_attention_metadata
 from ..model.llama import TinyLlama, allocate_kv_caches
 from ..sequence import SamplingParams
 from ..sim.traces import TraceRequest, alpaca_lengths, poisson_arrivals, sharegpt_lengths
 from .llm_engine import LLMEngine, RequestOutput
-from .model_runner import resolve_attn_impl
 
 TRACES = ("sharegpt", "alpaca")
 
@@ -122,7 +122,7 @@ def run_static(model: TinyLlama, trace: Sequence[TraceRequest], num_slots: int, 
     if batch_size < 1:
         raise ValueError(f"num_slots={num_slots} cannot hold one {max_len}-slot region")
     device = next(model.parameters()).device
-    impl = resolve_attn_impl(attn_impl, device)
+    attn = get_attn_backend(attn_impl, device)
     caches = allocate_kv_caches(model.config, batch_size, max_len,
                                 next(model.parameters()).dtype, device)
     reqs = sorted(trace, key=lambda t: (t.arrival_time, t.request_id))
@@ -142,7 +142,7 @@ def run_static(model: TinyLlama, trace: Sequence[TraceRequest], num_slots: int, 
             ids = torch.tensor([t for f in feed for t in f], device=device)
             pos = torch.tensor([p for s, f in zip(live, feed, strict=True)
                                 for p in range(ctx[s], ctx[s] + len(f))], device=device)
-            logits = model(ids, pos, caches, meta, impl=impl)
+            logits = model(ids, pos, caches, meta, impl=attn)
             nxt = logits.index_select(0, meta.last_token_indices().to(device)).argmax(-1)
             for s, f, tok in zip(live, feed, nxt.tolist(), strict=True):
                 ctx[s] += len(f)

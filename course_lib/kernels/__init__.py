@@ -13,10 +13,17 @@ CUDA Triton's interpreter is switched on in time; they load on demand):
 * ``timing``         timers, bytes read, peak bandwidth, stored GPU results
 * ``walkthrough``    chapter 04's three loops: the seed's (wrong), two-pass, online softmax
 * ``smoke``          the vector-add kernel of chapter 00
+* ``batched``        the whole batch in a few torch ops: the serving engine's CPU path
+* ``backends``       :func:`~course_lib.kernels.backends.get_attn_backend`: the one place that
+                     resolves which implementation a model runs (``"auto"``, ``"triton"``,
+                     ``"reference"``, ``"torch"``)
 
-:func:`paged_attention` is the entry point: it validates its input and picks an implementation
+Every implementation choice is made in this package. A model runs the backend that
+``backends.get_attn_backend`` resolved once. :func:`paged_attention`, the kernel-level entry
+point of chapter 04, validates its input and, with ``impl="auto"``, picks per call
 (:func:`choose_impl`): compiled Triton on CUDA, interpreted Triton on CPU for small problems,
-the torch reference for CPU problems too big for the interpreter.
+the torch reference for CPU problems too big for the interpreter. Both, and the cache ops'
+fallbacks, ask one fact of :mod:`course_lib.device`: ``BACKEND.triton_runs_on(tensors)``.
 
 This package module itself imports neither ``course_lib.device`` nor ``triton`` at import time,
 so that ``python -m course_lib.kernels.aot`` can put Triton in JIT mode first.
@@ -114,7 +121,7 @@ def choose_impl(query: torch.Tensor, key_cache: torch.Tensor, seq_lens: torch.Te
     device). Never syncs with a GPU."""
     from course_lib.device import BACKEND  # imported here: see course_lib.kernels.aot
 
-    if not BACKEND.uses_triton or query.device.type != BACKEND.device:
+    if not BACKEND.triton_runs_on(query, key_cache):
         return REFERENCE
     if not BACKEND.interpreted:
         return TRITON

@@ -83,10 +83,6 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
                          f"{tuple(value_cache.shape)}")
 
 
-def _use_triton(*tensors: torch.Tensor) -> bool:
-    return BACKEND.uses_triton and all(t.device.type == BACKEND.device for t in tensors)
-
-
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``key, value [num_tokens, num_kv_heads, head_dim]`` to their slots, in place."""
@@ -101,7 +97,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if num_tokens and int(slot_mapping.max()) >= num_slots:
         raise ValueError(f"slot {int(slot_mapping.max())} is past the cache's {num_slots} "
                          f"slots (valid: 0..{num_slots - 1}, or -1 for padding)")
-    if not _use_triton(key, value, key_cache, value_cache, slot_mapping):
+    if not BACKEND.triton_runs_on(key, value, key_cache, value_cache, slot_mapping):
         from course_lib.kernels.reference import reshape_and_cache_ref
 
         reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping)
@@ -126,7 +122,7 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
                                       and int(block_mapping.max()) < num_blocks):
         raise ValueError(f"block numbers must be in 0..{num_blocks - 1}, got "
                          f"{block_mapping.tolist()}")
-    if not _use_triton(key_cache, value_cache, block_mapping):
+    if not BACKEND.triton_runs_on(key_cache, value_cache, block_mapping):
         from course_lib.kernels.reference import copy_blocks_ref
 
         copy_blocks_ref(key_cache, value_cache, block_mapping)

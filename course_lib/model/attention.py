@@ -4,7 +4,9 @@ Each attention layer of :class:`~course_lib.model.llama.TinyLlama` calls
 :func:`paged_attention_layer` once per forward: it writes the new tokens' K/V into the layer's
 paged cache (``reshape_and_cache``), then attends over each sequence's cached tokens through its
 block table (``paged_attention``). Prefill, chunked prefill and decode are the same call; only
-the metadata differ. Swapping kernels (reference / Triton) happens here and nowhere else.
+the metadata differ. Which kernels run is the
+:class:`~course_lib.kernels.backends.AttentionBackend` the model resolved once
+(``course_lib.kernels.backends``); this module only calls it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib.kernels import paged_attention
-from course_lib.kernels.batched import paged_attention_batched
-from course_lib.kernels.cache_ops import reshape_and_cache
-from course_lib.kernels.reference import reshape_and_cache_ref, slot_mapping
+from course_lib.kernels.backends import AttentionBackend
+from course_lib.kernels.reference import slot_mapping
 
 
 @dataclass
@@ -91,23 +91,11 @@ def make_attention_metadata(block_tables: list[list[int]], context_lens: list[in
 def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           key_cache: torch.Tensor, value_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float,
-                          impl: str = "auto") -> torch.Tensor:
-    """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into the caches, then attend.
-
-    ``q [num_tokens, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` (modified in place). Returns ``[num_tokens, num_heads, head_dim]``.
-    ``impl``: "auto" / "triton" / "reference" pick the kernels of :mod:`course_lib.kernels`;
-    "torch" is the serving engine's CPU path (:mod:`course_lib.kernels.batched`, the
-    whole batch at once). "reference" and "torch" also write the cache with the torch
-    reference: on CPU the Triton ``reshape_and_cache`` runs in the interpreter (~10 ms per
-    token per layer), too slow for the engine.
-    """
-    if impl in ("reference", "torch"):
-        reshape_and_cache_ref(k, v, key_cache, value_cache, meta.slot_mapping)
-    else:
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    if impl == "torch":
-        return paged_attention_batched(q, key_cache, value_cache, meta.block_tables,
-                                       meta.seq_lens, meta.query_start_loc, scale)
-    return paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                           meta.query_start_loc, scale, impl=impl)
+                          attn: AttentionBackend) -> torch.Tensor:
+    """Write ``k, v [num_tokens, num_kv_heads, head_dim]`` into the caches, then attend, with
+    the backend's kernels. ``q [num_tokens, num_heads, head_dim]``; caches ``[num_blocks,
+    block_size, num_kv_heads, head_dim]`` (modified in place). Returns ``[num_tokens,
+    num_heads, head_dim]``."""
+    attn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    return attn.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, scale)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.kernels.backends import AttentionBackend, get_attn_backend
 from course_lib.model.attention import AttentionMetadata, paged_attention_layer
 from course_lib.model.config import ModelConfig
 
@@ -79,10 +80,10 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, impl: str = "auto") -> torch.Tensor:
+                meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """Paged: ``x [num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         q, k, v = self._qkv(x, cos, sin)
-        out = paged_attention_layer(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, impl)
+        out = paged_attention_layer(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, attn)
         return self.o_proj(out.flatten(-2))
 
     def forward_contiguous(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -168,11 +169,13 @@ class TinyLlama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata,
-                impl: str = "auto") -> torch.Tensor:
+                impl: str | AttentionBackend = "auto") -> torch.Tensor:
         """Paged forward of packed tokens: ``input_ids, positions [num_tokens]`` -> logits
         ``[num_tokens, vocab_size]`` (float32). Writes the new K/V into ``kv_caches`` (one
         ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size,
-        num_kv_heads, head_dim]``) at ``attn_metadata.slot_mapping``."""
+        num_kv_heads, head_dim]``) at ``attn_metadata.slot_mapping``. ``impl``: a backend
+        resolved by ``course_lib.kernels.backends.get_attn_backend``, or its name
+        (``"auto"``, ``"triton"``, ``"reference"``, ``"torch"``), resolved here once."""
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"need one (key_cache, value_cache) per layer: "
                              f"{self.config.num_layers}, got {len(kv_caches)}")
@@ -180,11 +183,12 @@ class TinyLlama(nn.Module):
             raise ValueError(f"input_ids and positions must both be [num_tokens], got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         self._check_ids(input_ids, positions)
+        attn = get_attn_backend(impl, input_ids.device)
         c = self.config
         h = self.model.embed_tokens(input_ids)                      # [N, hidden]
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, attn_metadata, impl)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, kv, attn_metadata, attn)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.model.norm(h)).float()
 
