@@ -187,7 +187,7 @@ def test_crossing_point_is_the_first_token_count_above_the_weights():
         assert (n - 1) * per_token <= spec.weight_bytes < n * per_token
     assert viz.weights_kv_crossing_tokens(cap.get_preset("llama-2-7b")) == 25_706
     # 13,476,831,232 B of weights / 524,288 B per token = 25,705.0006: the audit says the same
-    ratio = next(c for c in viz.seed_audit.audit() if c.key == "001-ratio")
+    ratio = next(c for c in viz.seeds.audit() if c.key == "001-ratio")
     assert "From 25,706 tokens on" in ratio.explanation
 
 

@@ -1,6 +1,6 @@
 """The seed audit: the right values are pinned here, each derived by hand in a comment.
 
-A pinned value is compared with the claim's course_value, which seed_audit computes live
+A pinned value is compared with the claim's course_value, which `claims.seeds` computes live
 through capacity.py; so these tests fail if either the library's arithmetic or the audit's
 use of it drifts.
 """

@@ -259,10 +259,14 @@ class BlockManager:
         """GPU blocks one more token for each of these sequences takes (a decode step of a
         group): a new block per full last block, a copy per shared partial last block. Also
         for a swapped-out group, whose sharing is the same on the CPU."""
-        need = 0
-        for seq_id in seq_ids:
-            new_blocks, cow = self._append_need(self._get(seq_id), 1)
-            need += new_blocks + cow
+        bs, tables, need = self.block_size, self._tables, 0
+        for seq_id in seq_ids:          # _append_need(table, 1), inlined: once per decode
+            table = tables.get(seq_id) or self._get(seq_id)
+            if len(table.token_ids) % bs == 0:
+                need += 1               # the last block is full: a new one
+            elif (self.gpu if table.device == "gpu" else self.cpu).ref_counts[
+                    table.blocks[-1]] > 1:
+                need += 1               # a shared partial last block: its copy
         return need
 
     def can_append_slots(self, seq_id: int, num_new_tokens: int = 1) -> bool:

@@ -120,7 +120,8 @@ class Scheduler:
             if not budget.can_schedule(len(seqs), len(seqs)):
                 kept.append(req)        # stays running, waits for a step with room
                 continue
-            while bm.num_blocks_to_append(s.seq_id for s in seqs) > bm.num_free_gpu_blocks:
+            ids = [s.seq_id for s in seqs]
+            while bm.num_blocks_to_append(ids) > bm.num_free_gpu_blocks:
                 victim = self.victim_policy([req, *queue])
                 if victim is req and not queue and not kept:
                     self._finish(req, S.FINISHED_ABORTED, checks.too_big_to_grow(bm, req))

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
 from course_lib.capacity import GiB, KiB
-from course_lib.claims import seeds as seed_audit
+from course_lib.claims import seeds
 
 ATTENTION_COLORS = {"MHA": "C3", "GQA": "C0", "MQA": "C2", "MLA": "C1"}
 
@@ -29,12 +29,12 @@ ATTENTION_COLORS = {"MHA": "C3", "GQA": "C0", "MQA": "C2", "MLA": "C1"}
 class ClaimsTable:
     """Seed claims as a table: HTML in Jupyter, aligned text in print() and nbval's text/plain."""
 
-    rows: tuple[seed_audit.SeedClaim, ...]
+    rows: tuple[seeds.SeedClaim, ...]
 
     _HEAD = ("seed", "where", "claim", "seed says", "course computes", "unit", "verdict")
 
-    def _cells(self, c: seed_audit.SeedClaim) -> tuple[str, ...]:
-        show = seed_audit._show  # the audit's own number formatting, shared with audit_table()
+    def _cells(self, c: seeds.SeedClaim) -> tuple[str, ...]:
+        show = seeds._show  # the audit's own number formatting, shared with audit_table()
         return (c.seed, c.where, c.claim, show(c.seed_value), show(c.course_value), c.unit,
                 c.verdict)
 
@@ -61,7 +61,7 @@ class ClaimsTable:
 
 def claims_table(keys: Iterable[str]) -> ClaimsTable:
     """The audited seed claims with these keys, in the order given (ValueError if unknown)."""
-    claims = {c.key: c for c in seed_audit.audit()}
+    claims = {c.key: c for c in seeds.audit()}
     keys = list(keys)
     unknown = [k for k in keys if k not in claims]
     if unknown:
