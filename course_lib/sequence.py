@@ -20,15 +20,50 @@ a normal decode step, so the tokens it generates are the ones it would have gene
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+# vLLM's thresholds (vllm/sampling_params.py: _SAMPLING_EPS, _MAX_TEMP): a temperature below
+# SAMPLING_EPS means greedy; one in [SAMPLING_EPS, MIN_TEMPERATURE) is raised to
+# MIN_TEMPERATURE, below which softmax(logits / t) overflows to inf / nan.
+SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
+MAX_SEED = 2 ** 64
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (``True`` is an int to Python, never a count or an id)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def token_ids_or_error(ids: Iterable[object], vocab_size: int | None = None,
+                       what: str = "token ids") -> tuple[int, ...]:
+    """``ids`` as a tuple of Python ints, or ``ValueError`` naming the first bad one (not an
+    integer, a bool, negative, or >= ``vocab_size``). Strings and floats are refused, never
+    converted: ``"65"`` or ``65.9`` is a caller's bug, not token 65."""
+    if isinstance(ids, (str, bytes)):
+        raise ValueError(f"{what} must be a sequence of ints, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            valid = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{what} must be ints in {valid}; item {i} is {t!r}")
+        out.append(int(t))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How many tokens to generate and how (vLLM's names).
+    """How many tokens to generate and how (vLLM's names and validation rules).
 
     ``temperature``, ``top_p`` and ``seed`` are carried for the model's sampler; the scheduler
-    only needs ``max_tokens``, ``n`` and ``beam_width``.
+    only needs ``max_tokens``, ``n`` and ``beam_width``. Everything is checked here, when the
+    request is made, so that a bad value fails its own request at once instead of a step of
+    the engine later: a finite ``temperature >= 0`` (below ``SAMPLING_EPS``: greedy; below
+    ``MIN_TEMPERATURE``: sampled at ``MIN_TEMPERATURE``), ``0 < top_p <= 1``, an integer
+    ``seed`` in ``[0, 2**64)``, integer counts >= 1, token ids >= 0; bools are never numbers.
     """
 
     max_tokens: int = 16
@@ -41,18 +76,23 @@ class SamplingParams:
                                           # beam search ignores them and runs to max_tokens
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        for name in ("max_tokens", "n", "beam_width"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        for name in ("n", "beam_width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        stops = token_ids_or_error(self.stop_token_ids, what="stop_token_ids")
+        object.__setattr__(self, "stop_token_ids", stops)     # any iterable in, a tuple kept
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"use either n > 1 (parallel sampling) or beam_width > 1, "
                              f"got n={self.n}, beam_width={self.beam_width}")
@@ -60,6 +100,15 @@ class SamplingParams:
     @property
     def use_beam_search(self) -> bool:
         return self.beam_width > 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature a non-greedy sampler divides by (at least ``MIN_TEMPERATURE``)."""
+        return max(self.temperature, MIN_TEMPERATURE)
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +140,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH_CAPPED = "finished_length"     # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"          # abort_request, or a beam dropped
     FINISHED_IGNORED = "finished_ignored"          # can never fit: rejected, never retried
+    FINISHED_ERROR = "finished_error"              # its own work failed inside a step
 
     @property
     def is_finished(self) -> bool:
@@ -100,7 +150,8 @@ class SequenceStatus(enum.Enum):
     def finish_reason(self) -> str | None:
         """The short code a client sees (vLLM's ``finish_reason``): ``"stop"``, ``"length"``,
         ``"abort"``, ``"ignored"`` (vLLM V0 reports an ignored request as ``"length"``; the
-        course keeps the two apart), or None while unfinished."""
+        course keeps the two apart), ``"error"`` (as vLLM V1's ``FinishReason.ERROR`` in
+        ``vllm/v1/engine/__init__.py``: its own work failed), or None while unfinished."""
         return FINISH_REASONS.get(self)
 
 
@@ -108,7 +159,17 @@ FINISHED_STATUSES = frozenset(s for s in SequenceStatus if s.name.startswith("FI
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop",
                   SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
                   SequenceStatus.FINISHED_ABORTED: "abort",
-                  SequenceStatus.FINISHED_IGNORED: "ignored"}
+                  SequenceStatus.FINISHED_IGNORED: "ignored",
+                  SequenceStatus.FINISHED_ERROR: "error"}
+
+
+class RequestFailed(Exception):
+    """Raised inside a step when one request's own work fails (its sampling, its output
+    processing): the engine rolls the step back and finishes that request alone."""
+
+    def __init__(self, request_id: int, cause: BaseException) -> None:
+        super().__init__(f"request {request_id}: {type(cause).__name__}: {cause}")
+        self.request_id, self.cause = request_id, cause
 
 
 @dataclass(eq=False)
@@ -166,15 +227,24 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
-    finish_reason: str | None = None     # a short code: "stop", "length", "abort", "ignored"
+    finish_reason: str | None = None     # a short code: stop, length, abort, ignored, error
     finish_detail: str | None = None     # why it was aborted or ignored: a sentence to read
+    cache_salt: str | None = None        # prefix-cache namespace: only equal salts share
     num_preemptions: int = 0
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache (first time)
 
     def __post_init__(self) -> None:
-        self.prompt_token_ids = tuple(self.prompt_token_ids)
+        self.prompt_token_ids = token_ids_or_error(self.prompt_token_ids,
+                                                   what=f"request {self.request_id}'s prompt")
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt must have >= 1 token")
+        if isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, numbers.Real) \
+                or not math.isfinite(self.arrival_time):
+            raise ValueError(f"request {self.request_id}: arrival_time must be a finite number "
+                             f"of seconds, got {self.arrival_time!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"request {self.request_id}: cache_salt must be a str or None, "
+                             f"got {self.cache_salt!r}")
 
     @property
     def unfinished_seqs(self) -> list[Sequence]:

@@ -131,7 +131,7 @@ def test_pool_owns_the_free_block_policy():
     assert [pool.allocate() for _ in range(3)] == [0, 3, 2] and evicted == [2]
     with pytest.raises(NoFreeBlocksError, match="no free gpu blocks"):
         pool.allocate()
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="is free"):
         BlockAllocator("gpu", 2).touch([0])           # a free block cannot gain a reference
     pool.check_invariants()
     pool._free.append(1)                              # fault: a held block on the stack
@@ -139,6 +139,28 @@ def test_pool_owns_the_free_block_policy():
         pool.check_invariants()
     with pytest.raises(ValueError, match="num_blocks"):
         BlockAllocator("cpu", -1)
+
+
+def test_pool_rejects_a_double_free_and_bad_ids_changing_nothing():
+    """vLLM V0's allocator tests expect it: a block freed twice, an id out of range, a block
+    still referenced or never held are all refused (ValueError, O(1)), the pool untouched."""
+    a = BlockAllocator("cpu", 2)
+    b = a.allocate()
+    a.ref_counts[b] -= 1
+    a.free(b)
+    before = a.snapshot()
+    for bad, match in [(b, "already free"), (-1, "0..1"), (2, "0..1"), (True, "0..1"),
+                       (1, "already free")]:
+        with pytest.raises(ValueError, match=match):
+            a.free(bad)
+        assert a.snapshot() == before
+    c = a.allocate()
+    with pytest.raises(ValueError, match="still has ref count 1"):
+        a.free(c)
+    with pytest.raises(ValueError, match="not held"):
+        a.release([1 - c])
+    assert sorted([c, a.allocate()]) == [0, 1]        # two blocks, never the same one twice
+    a.check_invariants()
 
 
 # -------------------------------------------------------------- fork, copy-on-write
@@ -286,18 +308,27 @@ def test_lru_eviction_oldest_sequence_first_and_tail_before_prefix():
 
 
 def test_constant_hash_collision_is_detected_not_hit():
+    """With every hash equal, a lookup still only hits the block with the very key, and a
+    block that collides is cached beside the first one instead of being kept out."""
     m = cached()
     m.cache.hash_fn = lambda p, t, e: 42
     m.allocate(0, toks(9))
-    m.mark_blocks_as_computed(0, 9)                   # block 1's hash is taken by block 0
+    m.mark_blocks_as_computed(0, 9)                   # blocks 0 and 1 share hash 42
+    assert m.cache.is_cached(0) and m.cache.is_cached(1)
     before = m.cache.num_collisions
     assert m.allocate(1, toks(9, 100)) == 0           # same hash, other tokens
     assert m.cache.num_collisions == before + 1
-    assert m.allocate(2, toks(9)) == BS               # block 0 is genuine; block 1 collides
-    assert m.cache.num_collisions == before + 2
+    assert m.allocate(2, toks(9)) == 2 * BS           # both genuine blocks are hits
+    assert m.cache.num_collisions == before + 1
     assert m.allocate(3, toks(9), extra_key="salt") == 0  # same tokens, other salt
-    assert m.cache.num_collisions == before + 3
+    assert m.cache.num_collisions == before + 2
     m.check_invariants()
+    for s in range(4):
+        m.free(s)
+    for _ in range(m.num_free_gpu_blocks):            # evict everything: buckets emptied
+        m.gpu.allocate()
+    assert not m.cache.cached_block_ids()
+    m.cache.check_invariants()
 
 
 def test_block_after_a_colliding_parent_is_not_hit_under_another_prefix():
@@ -558,3 +589,13 @@ def test_check_invariants_catches_corruption(kind):
     m = corrupted(kind)
     with pytest.raises(AssertionError):
         m.check_invariants()
+
+
+def test_salts_equal_in_python_but_of_other_types_never_share_blocks():
+    m = cached()
+    m.allocate(0, toks(9), extra_key=1)
+    m.mark_blocks_as_computed(0, 9)
+    for other in (True, 1.0, "1", (1,)):
+        assert m.allocate(len(m.seq_ids()), toks(9), extra_key=other) == 0, other
+    assert m.allocate(len(m.seq_ids()), toks(9), extra_key=1) == 2 * BS   # the same salt hits
+    m.check_invariants()

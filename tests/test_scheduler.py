@@ -305,12 +305,14 @@ def test_abort_frees_the_blocks():
     s.check_invariants()
 
 
-def test_a_request_too_big_to_grow_alone_is_aborted_with_a_reason():
+def test_a_request_too_big_to_grow_alone_stops_with_its_own_reason():
+    """Not "abort" (what a client's own abort says) nor "ignored" (it ran): its output is cut
+    by the pool, like a length cap, and the detail says so."""
     s = make(num_gpu_blocks=4, max_model_len=64)
     req = s.add_request(0, prompt(10), SamplingParams(max_tokens=40))
     _, finished = drain(s)
-    assert finished == [req] and req.seqs[0].status == SequenceStatus.FINISHED_ABORTED
-    assert req.finish_reason == "abort" and "cannot grow" in req.finish_detail
+    assert finished == [req] and req.seqs[0].status == SequenceStatus.FINISHED_LENGTH_CAPPED
+    assert req.finish_reason == "length" and req.finish_detail.startswith("cannot grow")
     assert len(req.seqs[0].output_token_ids) == 7
     assert s.block_manager.num_free_gpu_blocks == 4
 
@@ -430,3 +432,25 @@ def test_scheduler_asks_num_candidates_and_counts_the_tokens_it_keeps(params):
                 assert e.num_candidates == params.num_candidates(first_token=e.is_prefill)
     assert s.num_generated_tokens == sum(len(t) for t in req.outputs()) == 5 * params.num_seqs
     assert s.num_prompt_tokens == sum(o.num_prefill_tokens for o in outs) == 9
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12, beam_width=2),
+                                    SamplingParams(max_tokens=12, n=2)])
+def test_a_group_preempted_by_recompute_comes_back_sharing_its_prefix(params):
+    """The issue's repro: a 60-token prompt with 2 beams (or 2 samples) fits 24 blocks of 4
+    alone; with a small request ahead of it, it is preempted by recompute mid-generation and
+    must be re-admitted counting its shared prompt blocks once (15 + 2 x 3 = 21 <= 24, not
+    2 x 18 = 36), then finish with the tokens of a run without the neighbour."""
+    alone = make(block_size=4, num_gpu_blocks=24)
+    ref = alone.add_request(1, prompt(60), params)
+    drain(alone)
+    s = make(block_size=4, num_gpu_blocks=24)
+    small = s.add_request(0, prompt(6, 500), SamplingParams(max_tokens=40), arrival_time=0.0)
+    req = s.add_request(1, prompt(60), params, arrival_time=1.0)
+    outs, finished = drain(s)
+    assert req.num_preemptions > 0, "the scenario must preempt the group"
+    assert req.finish_reason == "length" and req.finish_detail is None
+    assert all(q.status == SequenceStatus.FINISHED_LENGTH_CAPPED for q in req.seqs)
+    assert req.outputs() == ref.outputs() and small.finish_reason == "length"
+    # while re-admitted, the samples shared the prompt's blocks (never 2 x 15 prompt blocks)
+    assert max(o.num_prefill_tokens for o in outs) <= 60 + 11 + 24

@@ -13,6 +13,15 @@ One :meth:`LLMEngine.step`:
    ``stop_token_ids``, EOS by default, to each request's ``SamplingParams``) or hit a limit.
 5. :class:`~course_lib.scheduler.metrics.Metrics` (vLLM's Prometheus names) are updated.
 
+A step is all or nothing (:mod:`course_lib.engine.rollback`): if anything in it raises, every
+table, pool, queue, counter and metric is put back as it was. Then the engine looks for the
+request to blame (its sampling or output processing failed, or its forward alone fails when
+the step is run again one request at a time): that request alone is finished with
+``finish_reason="error"`` and the step returns it; otherwise ``StepFailed`` is raised.
+
+Requests are checked when they are added (:meth:`LLMEngine.add_request`), so that bad input
+fails at once and names itself instead of failing a step later.
+
 :meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
 """
 
@@ -27,10 +36,18 @@ from tqdm.auto import tqdm
 
 from ..config import CacheConfig, SchedulerConfig
 from ..model import EOS_ID, ByteTokenizer, TinyLlama
-from ..scheduler import Scheduler, SchedulerOutput
+from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from ..scheduler.metrics import Metrics
-from ..sequence import Request, SamplingParams
+from ..sequence import (
+    Request,
+    RequestFailed,
+    SamplingParams,
+    SequenceStatus,
+    is_int,
+    token_ids_or_error,
+)
 from .model_runner import ModelRunner
+from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk, put_back
 from .sampler import sample
 
 
@@ -111,6 +128,7 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self.last_output: SchedulerOutput | None = None
         self.num_steps = 0
+        self._backup = None                  # cache blocks the running step may overwrite
 
     @property
     def num_generated_tokens(self) -> int:
@@ -122,26 +140,44 @@ class LLMEngine:
         return self.clock() - self._t0
 
     # ----------------------------------------------------------------------- requests
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: int | None = None, arrival_time: float | None = None) -> int:
-        """Queue a prompt (text is encoded with BOS, or token ids as given); returns its id."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _check_prompt(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
+        """Text (encoded with BOS) or token ids: ints in the vocabulary, at least one."""
+        if isinstance(prompt, str):
+            ids = tuple(self.tokenizer.encode(prompt))
+        else:
+            ids = token_ids_or_error(prompt, self.model.config.vocab_size, "prompt token ids")
         if not ids:
             raise ValueError("the prompt must hold at least one token")
-        vocab = self.model.config.vocab_size
-        if not all(0 <= int(t) < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
-        params = params or SamplingParams()
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: int | None = None, arrival_time: float | None = None, *,
+                    cache_salt: str | None = None) -> int:
+        """Queue a prompt (text is encoded with BOS, or token ids as given); returns its id.
+
+        Everything is checked before anything is queued (``ValueError`` naming the bad value):
+        token ids in the vocabulary, the sampling parameters (``SamplingParams`` checks its own
+        values), a new int ``request_id``, a finite ``arrival_time``. ``cache_salt`` (vLLM's
+        name) gives the request its own prefix-cache namespace: only requests with an equal
+        salt share cached blocks, so one tenant cannot learn another's prompts from
+        ``num_cached_tokens``."""
+        ids = self._check_prompt(prompt)
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         extra = tuple(t for t in sorted(self.stop_token_ids) if t not in params.stop_token_ids)
         if extra:                              # the engine's stop tokens (EOS) join the request's
             params = replace(params, stop_token_ids=params.stop_token_ids + extra)
         if request_id is None:
             request_id = self._next_request_id
+        if not is_int(request_id) or request_id < 0:
+            raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} is already in use")
-        self._next_request_id = max(self._next_request_id, request_id + 1)
         req = self.scheduler.add_request(request_id, ids, params,
-                                         self.now() if arrival_time is None else arrival_time)
+                                         self.now() if arrival_time is None else arrival_time,
+                                         cache_salt)
+        self._next_request_id = max(self._next_request_id, request_id + 1)
         self._requests[request_id] = req
         self._seeds[request_id] = params.seed if params.seed is not None \
             else random.getrandbits(62)
@@ -162,21 +198,91 @@ class LLMEngine:
     # --------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the cache ops and the model, sample, update; returns the requests
-        that finished in this step."""
+        that finished in this step. All or nothing (see the module docstring): on failure
+        the state is put back, and then either the request to blame is finished alone (and
+        returned, ``finish_reason="error"``) or ``StepFailed`` is raised."""
+        checkpoint = Checkpoint(self.scheduler.snapshot(), self.runner.counters())
+        try:
+            return self._step(checkpoint)
+        except BaseException as exc:
+            self._rollback(checkpoint)
+            if not isinstance(exc, Exception):          # KeyboardInterrupt: state is safe
+                raise
+            culprit = (exc.request_id, exc.cause) if isinstance(exc, RequestFailed) \
+                else self._diagnose(checkpoint)
+            if culprit is None:
+                raise StepFailed(f"step {self.num_steps} failed and was undone "
+                                 f"({type(exc).__name__}: {exc}); no request's work fails "
+                                 f"alone while the others' succeed") from exc
+            return [self._fail_request(*culprit)]
+
+    def _step(self, checkpoint: Checkpoint) -> list[RequestOutput]:
         sched = self.scheduler
         out = sched.schedule()
+        self._protect(out, checkpoint)
         self.runner.execute_cache_ops(out)
         logits = self.runner.execute_model(out.scheduled)
-        samples = {e.seq.seq_id: sample(e, logits[e.seq.seq_id],
-                                        self._seeds[e.request.request_id])
-                   for e in out.scheduled if e.num_candidates}
-        now = self.now()
-        finished = sched.update(out, samples, now)
+        samples = {}
+        for e in out.scheduled:
+            if e.num_candidates:
+                rid = e.request.request_id
+                try:
+                    samples[e.seq.seq_id] = sample(e, logits[e.seq.seq_id], self._seeds[rid])
+                except Exception as exc:          # this request's sampling: it alone failed
+                    raise RequestFailed(rid, exc) from exc
+        finished = sched.update(out, samples, self.now())
         self.num_steps += 1
         self.metrics.update(sched)
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]
+
+    def _protect(self, out: SchedulerOutput, checkpoint: Checkpoint) -> None:
+        """Copy the cache blocks this step overwrites whose contents mattered at its start."""
+        gpu, cpu = blocks_at_risk(out, checkpoint.scheduler.block_manager,
+                                  self.block_manager.block_size)
+        self._backup = back_up(self.runner.gpu_caches, self.runner.cpu_caches, gpu, cpu)
+
+    def _rollback(self, checkpoint: Checkpoint) -> None:
+        self.scheduler.restore(checkpoint.scheduler)
+        self.runner.set_counters(checkpoint.runner_counters)
+        if self._backup is not None:
+            put_back(self.runner.gpu_caches, self.runner.cpu_caches, self._backup)
+        self._backup = None
+
+    def _diagnose(self, checkpoint: Checkpoint) -> tuple[int, BaseException] | None:
+        """After a failed step (already rolled back): run it again with one forward per
+        request. A request is to blame when its forward fails alone while another one's
+        succeeds; if every forward fails (the device, not a request) or all succeed (a
+        transient fault), nobody is. The state is rolled back again whatever happens."""
+        try:
+            out = self.scheduler.schedule()
+            self._protect(out, checkpoint)
+            self.runner.execute_cache_ops(out)
+            by_request: dict[int, list[ScheduledSeq]] = {}
+            for e in out.scheduled:
+                by_request.setdefault(e.request.request_id, []).append(e)
+            failures = []
+            for rid, entries in by_request.items():
+                try:
+                    self.runner.execute_model(entries)
+                except Exception as exc:
+                    failures.append((rid, exc))
+            return failures[0] if 0 < len(failures) < len(by_request) else None
+        except Exception:
+            return None
+        finally:
+            self._rollback(checkpoint)
+
+    def _fail_request(self, request_id: int, cause: BaseException) -> RequestOutput:
+        """Finish the request whose own work failed, alone; the others go on."""
+        req = self._requests[request_id]
+        self.scheduler.finish_request(request_id, SequenceStatus.FINISHED_ERROR,
+                                      f"failed in step {self.num_steps}: "
+                                      f"{type(cause).__name__}: {cause}")
+        req.finished_time = self.now()
+        self.metrics.update(self.scheduler)
+        return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)
@@ -208,6 +314,11 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"one SamplingParams per prompt: {len(prompts)} prompts, "
                              f"{len(params)} params")
+        for i, p in enumerate(prompts):        # all checked before any is queued
+            try:
+                self._check_prompt(p)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}

@@ -53,6 +53,13 @@ class ModelRunner:
         self.num_swapped_blocks = 0       # out + in, for reports
         self.num_copied_blocks = 0        # copy-on-write copies
 
+    def counters(self) -> tuple[int, int]:
+        """(blocks swapped, blocks copied) so far: what a failed step puts back."""
+        return self.num_swapped_blocks, self.num_copied_blocks
+
+    def set_counters(self, counters: tuple[int, int]) -> None:
+        self.num_swapped_blocks, self.num_copied_blocks = counters
+
     @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block over all layers, K and V."""

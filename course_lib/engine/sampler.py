@@ -51,11 +51,11 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, base_seed: int, ind
                position: int) -> tuple[int, float]:
     """One (token, logprob) from ``logits [vocab]`` for sample ``index`` at ``position``."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    if params.temperature == 0:
+    if params.is_greedy:
         token = int(torch.argmax(logits))
     else:
         gen = torch.Generator().manual_seed(sample_seed(base_seed, index, position))
-        probs = top_p_probs(logits, params.temperature, params.top_p)
+        probs = top_p_probs(logits, params.sampling_temperature, params.top_p)
         token = int(torch.multinomial(probs, 1, generator=gen))
     return token, float(logprobs[token])
 

@@ -9,13 +9,22 @@ empty slots.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of size b hold a tokens."""
     return -(-a // b)
+
+
+def common_full_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
+    """How many leading full blocks of tokens ``a`` and ``b`` have in common."""
+    n = 0
+    while (n + 1) * block_size <= min(len(a), len(b)) and \
+            a[n * block_size:(n + 1) * block_size] == b[n * block_size:(n + 1) * block_size]:
+        n += 1
+    return n
 
 
 @dataclass(eq=False)

@@ -24,9 +24,9 @@ import enum
 from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from .block_table import BlockTable, cdiv
-from .pool import BlockAllocator, NoFreeBlocksError
-from .prefix_cache import PrefixCache
+from .block_table import BlockTable, cdiv, common_full_blocks
+from .pool import BlockAllocator, NoFreeBlocksError, PoolSnapshot
+from .prefix_cache import PrefixCache, typed_salt
 
 
 class AllocStatus(enum.Enum):
@@ -69,6 +69,16 @@ class BlockUsage(NamedTuple):
         if not self.num_table_entries:
             return 0.0
         return 1 - self.num_held_blocks / self.num_table_entries
+
+
+class ManagerSnapshot(NamedTuple):
+    """``BlockManager.snapshot()``: copies of everything the manager holds."""
+    gpu: PoolSnapshot
+    cpu: PoolSnapshot
+    cache: tuple | None
+    tables: dict[int, BlockTable]
+    queries: int
+    hits: int
 
 
 class PrefixCacheStats(NamedTuple):
@@ -156,13 +166,18 @@ class BlockManager:
         return self.gpu if device == "gpu" else self.cpu
 
     def ref_count(self, block: int, device: str = "gpu") -> int:
-        return self.pool(device).ref_counts[block]
+        pool = self.pool(device)
+        if isinstance(block, bool) or not isinstance(block, int) \
+                or not 0 <= block < pool.num_blocks:
+            raise ValueError(f"{device} block ids are 0..{pool.num_blocks - 1}, got {block!r}")
+        return pool.ref_counts[block]
 
     def _get(self, seq_id: int, device: str | None = None) -> BlockTable:
         table = self._tables.get(seq_id)
         if table is None:
+            known = sorted(self._tables, key=repr)[:10]     # ids of any type: no TypeError
             raise ValueError(f"seq {seq_id!r} has no blocks (never allocated, or already freed); "
-                             f"allocated seqs: {sorted(self._tables)[:10]}")
+                             f"allocated seqs: {known}{' ...' if len(self._tables) > 10 else ''}")
         if device is not None and table.device != device:
             raise ValueError(f"seq {seq_id} is on {table.device}, this needs it on {device}")
         return table
@@ -209,7 +224,8 @@ class BlockManager:
             return AllocStatus.NEVER
         free = self.num_free_gpu_blocks
         if self.cache is not None and not isinstance(token_ids, int):
-            probe = BlockTable(-1, self.block_size, token_ids=list(token_ids), extra_key=extra_key)
+            probe = BlockTable(-1, self.block_size, token_ids=list(token_ids),
+                               extra_key=typed_salt(extra_key))
             hits, _ = self.cache.hash_and_match(probe)
             required -= len(hits)
             free -= sum(1 for b in hits if self.gpu.ref_counts[b] == 0)
@@ -224,7 +240,8 @@ class BlockManager:
         if required > self.num_gpu_blocks:
             raise ValueError(f"a prompt of {len(token_ids)} tokens needs {required} blocks but the "
                              f"GPU pool has {self.num_gpu_blocks}: it can never fit")
-        table = BlockTable(seq_id, self.block_size, token_ids=list(token_ids), extra_key=extra_key)
+        table = BlockTable(seq_id, self.block_size, token_ids=list(token_ids),
+                           extra_key=typed_salt(extra_key))
         hits: list[int] = []
         collided = False
         if self.cache is not None:
@@ -245,6 +262,81 @@ class BlockManager:
             self.prefix_cache_hits += num_cached_tokens
             self.cache.num_collisions += collided
         return num_cached_tokens
+
+    # ----------------------------------------- allocate a group that shares a prefix
+    def _group_plan(self, token_lists: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """For each sequence of a group: (the earlier one it shares the most leading full
+        blocks with, how many), sharing at most its ``(len - 1) // block_size`` blocks (at
+        least one token is computed). (-1, 0) for the first."""
+        bs, plan = self.block_size, [(-1, 0)]
+        for i in range(1, len(token_lists)):
+            limit = (len(token_lists[i]) - 1) // bs
+            best = max(((min(common_full_blocks(token_lists[i], token_lists[j], bs), limit), -j)
+                        for j in range(i)), default=(0, 0))
+            plan.append((-best[1], best[0]) if best[0] else (-1, 0))
+        return plan
+
+    def group_blocks_needed(self, token_lists: Sequence[Sequence[int]]) -> int:
+        """GPU blocks a group of sequences takes when each shares the full blocks of its
+        longest common prefix with an earlier one (prefix-cache hits not counted)."""
+        plan = self._group_plan(token_lists)
+        return sum(self._blocks_needed(len(t)) - shared
+                   for t, (_, shared) in zip(token_lists, plan, strict=True))
+
+    def can_allocate_group(self, token_lists: Sequence[Sequence[int]],
+                           extra_key: Hashable = ()) -> AllocStatus:
+        """``can_allocate`` for a group that shares prefixes (see :meth:`allocate_group`)."""
+        if len(token_lists) == 1:
+            return self.can_allocate(token_lists[0], extra_key)
+        need = self.group_blocks_needed(token_lists)
+        if need > self.num_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.num_free_gpu_blocks - need >= self.watermark_blocks \
+            else AllocStatus.LATER
+
+    def allocate_group(self, seqs: Sequence[tuple[int, Sequence[int]]],
+                       extra_key: Hashable = ()) -> list[tuple[int, int | None]]:
+        """Allocate the sequences of one request together (samples or beams prefilled again
+        after a recompute preemption): the first as :meth:`allocate` does, each later one
+        sharing the full blocks of its longest common prefix with an earlier one, the way they
+        shared them before. Returns, per sequence, ``(tokens it need not compute, the seq id
+        that computes them or None)``: prefix-cache hits for the first (already computed),
+        the shared prefix for the others, whose K/V the named sequence writes (the caller
+        must not run a sharer before that). All or nothing: ``NoFreeBlocksError`` if the
+        group does not fit now, nothing allocated."""
+        if not seqs:
+            raise ValueError("allocate_group needs at least one sequence")
+        ids = [s for s, _ in seqs]
+        if len(set(ids)) != len(ids) or any(s in self._tables for s in ids):
+            raise ValueError(f"seq ids must be new and distinct, got {ids}")
+        token_lists = [list(t) for _, t in seqs]
+        if len(seqs) == 1:
+            return [(self.allocate(ids[0], token_lists[0], extra_key), None)]
+        for t in token_lists:
+            self._blocks_needed(len(t))                     # >= 1 token each
+        need = self.group_blocks_needed(token_lists)        # as can_allocate_group counts
+        if need > self.num_free_gpu_blocks:
+            raise NoFreeBlocksError(f"the group needs {need} GPU blocks, "
+                                    f"{self.num_free_gpu_blocks} are free")
+        plan = self._group_plan(token_lists)
+        out = [(self.allocate(ids[0], token_lists[0], extra_key), None)]
+        for i in range(1, len(ids)):
+            seq_id, tokens, (j, shared) = ids[i], token_lists[i], plan[i]
+            if not shared:
+                out.append((self.allocate(seq_id, tokens, extra_key), None))
+                continue
+            source = self._tables[ids[j]]
+            table = BlockTable(seq_id, self.block_size, token_ids=tokens,
+                               extra_key=source.extra_key)
+            self.gpu.touch(source.blocks[:shared])
+            table.blocks = source.blocks[:shared] + [
+                self.gpu.allocate() for _ in range(self._blocks_needed(len(tokens)) - shared)]
+            if self.cache is not None:
+                table.block_hashes = source.block_hashes[:shared]
+                self.cache.hash_blocks(table, len(tokens) // self.block_size)
+            self._tables[seq_id] = table
+            out.append((shared * self.block_size, ids[j]))
+        return out
 
     # ----------------------------------------------------- grow: the decode hot path
     def _append_need(self, table: BlockTable, num_new_tokens: int) -> tuple[int, bool]:
@@ -402,6 +494,24 @@ class BlockManager:
             table.device = dst.device
             src.release(reversed(old), self._cached if src is self.gpu else ())
             dst.touch([b for b in table.blocks if b in seen or seen.add(b)])
+
+    # ------------------------------------------------------------ snapshot / restore
+    def snapshot(self) -> ManagerSnapshot:
+        """A copy of every table, both pools, the prefix cache and the counters: what
+        ``LLMEngine.step`` restores when a step fails (O(blocks + tokens held))."""
+        return ManagerSnapshot(self.gpu.snapshot(), self.cpu.snapshot(),
+                               self.cache.snapshot() if self.cache is not None else None,
+                               {s: t.copy(s) for s, t in self._tables.items()},
+                               self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def restore(self, snap: ManagerSnapshot) -> None:
+        """Put the manager back exactly as it was when ``snap`` was taken."""
+        self.gpu.restore(snap.gpu)
+        self.cpu.restore(snap.cpu)
+        if self.cache is not None:
+            self.cache.restore(snap.cache)
+        self._tables = {s: t.copy(s) for s, t in snap.tables.items()}
+        self.prefix_cache_queries, self.prefix_cache_hits = snap.queries, snap.hits
 
     # --------------------------------------------------------------------- usage, checks
     def usage(self, device: str = "gpu") -> BlockUsage:

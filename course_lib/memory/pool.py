@@ -24,11 +24,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
+from typing import NamedTuple
+
+HELD, FREE, EVICTABLE = 0, 1, 2          # a block's state (ref count >= 1, or 0 and where)
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when a pool has no free block left. The caller should have asked first
     (``BlockManager.can_allocate`` / ``can_append_slots`` / ``can_swap_in``)."""
+
+
+class PoolSnapshot(NamedTuple):
+    """Everything a pool holds, copied (``BlockAllocator.snapshot`` / ``restore``)."""
+    ref_counts: list[int]
+    free: list[int]
+    evictable: list[int]
+    state: bytearray
 
 
 class BlockAllocator:
@@ -47,6 +58,7 @@ class BlockAllocator:
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in notebooks).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; LRU first
+        self._state = bytearray([FREE]) * num_blocks             # HELD / FREE / EVICTABLE
         self.on_evict: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------------ queries
@@ -80,42 +92,77 @@ class BlockAllocator:
         else:
             raise NoFreeBlocksError(f"no free {self.device} blocks (pool of {self.num_blocks})")
         self.ref_counts[block] = 1
+        self._state[block] = HELD
         return block
 
     def touch(self, blocks: Iterable[int]) -> None:
         """One more reference to each block (a fork, or a prefix-cache hit); an evictable
         block that is hit is held again and leaves the LRU."""
-        refs, evictable = self.ref_counts, self._evictable
+        refs, evictable, state = self.ref_counts, self._evictable, self._state
         for block in blocks:
             if refs[block] == 0:
-                del evictable[block]          # KeyError: a free block cannot be touched
+                if state[block] != EVICTABLE:
+                    raise ValueError(f"{self.device} block {block} is free: only a held or an "
+                                     f"evictable block can gain a reference")
+                del evictable[block]
+                state[block] = HELD
             refs[block] += 1
 
     def release(self, blocks: Iterable[int], cached: Container[int] = ()) -> None:
         """Drop one reference to each block, in order. A block whose count reaches 0 becomes
         evictable (newest at the MRU end) if it is in ``cached``, else free."""
-        refs, free, evictable = self.ref_counts, self._free, self._evictable
+        refs, free, evictable, state = self.ref_counts, self._free, self._evictable, self._state
         for block in blocks:
+            if refs[block] < 1:
+                raise ValueError(f"{self.device} block {block} is not held: nothing to release")
             refs[block] -= 1
             if refs[block] == 0:
                 if block in cached:
                     evictable[block] = None
+                    state[block] = EVICTABLE
                 else:
                     free.append(block)
+                    state[block] = FREE
 
     def free(self, block: int) -> None:
-        """Put a block whose ref count is already 0 back on the free stack. O(1)."""
+        """Put an allocated block whose ref count is already 0 back on the free stack. O(1).
+        ``ValueError``, changing nothing, for an id out of range, a block already free or
+        evictable (a double free), or one still referenced."""
+        if isinstance(block, bool) or not isinstance(block, int) \
+                or not 0 <= block < self.num_blocks:
+            raise ValueError(f"{self.device} block ids are 0..{self.num_blocks - 1}, "
+                             f"got {block!r}")
+        if self._state[block] != HELD:
+            where = "free" if self._state[block] == FREE else "evictable"
+            raise ValueError(f"{self.device} block {block} is already {where} (double free)")
         if self.ref_counts[block] != 0:
             raise ValueError(f"{self.device} block {block} still has ref count "
                              f"{self.ref_counts[block]}; only ref-0 blocks can be freed")
         self._free.append(block)
+        self._state[block] = FREE
 
     def drop_evictable(self) -> list[int]:
         """Move every evictable block to the free stack (the prefix cache was reset)."""
         dropped = list(self._evictable)
         self._evictable.clear()
         self._free.extend(dropped)
+        for block in dropped:
+            self._state[block] = FREE
         return dropped
+
+    # ------------------------------------------------------------ snapshot / restore
+    def snapshot(self) -> PoolSnapshot:
+        """A copy of the pool's state (O(num_blocks)): see ``LLMEngine.step``."""
+        return PoolSnapshot(list(self.ref_counts), list(self._free), list(self._evictable),
+                            bytearray(self._state))
+
+    def restore(self, snap: PoolSnapshot) -> None:
+        """Put the pool back exactly as it was when ``snap`` was taken."""
+        self.ref_counts[:] = snap.ref_counts
+        self._free[:] = snap.free
+        self._evictable.clear()
+        self._evictable.update(dict.fromkeys(snap.evictable))
+        self._state[:] = snap.state
 
     def check_invariants(self) -> None:
         """Each block is exactly one of held (ref >= 1), free or evictable (both ref 0)."""
@@ -127,6 +174,10 @@ class BlockAllocator:
         assert min(self.ref_counts, default=0) >= 0, f"{name}: negative ref count"
         held = {b for b, r in enumerate(self.ref_counts) if r > 0}
         assert not held & (free | evictable), f"{name}: a held block is free or evictable"
+        assert all(self._state[b] == FREE for b in free), f"{name}: free block not marked free"
+        assert all(self._state[b] == EVICTABLE for b in evictable), \
+            f"{name}: evictable block not marked evictable"
+        assert all(self._state[b] == HELD for b in held), f"{name}: held block not marked held"
         assert len(held) + len(free) + len(evictable) == self.num_blocks, (
             f"{name}: {len(held)} held + {len(free)} free + {len(evictable)} evictable "
             f"!= {self.num_blocks} blocks")

@@ -47,6 +47,15 @@ def sha256_block_hash(parent_hash: int, token_ids: tuple, extra_key: Hashable) -
 HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": builtin_block_hash, "sha256": sha256_block_hash}
 
 
+def typed_salt(salt: Hashable) -> Hashable:
+    """A salt (``extra_key``) as it enters the hash: each value with its type, so that salts
+    equal in Python but of other types (``1``, ``True``, ``1.0``) never share blocks. Tuples
+    are typed item by item; ``()`` (no salt) stays ``()``."""
+    if isinstance(salt, tuple):
+        return tuple(typed_salt(s) for s in salt)
+    return (type(salt).__qualname__, salt)
+
+
 ParentRef = tuple[int, int]  # (block id, generation) of the cached block before this one
 
 
@@ -76,21 +85,31 @@ class PrefixCache:
                              f"got {hash_algo!r}")
         self.hash_algo = hash_algo
         self.hash_fn: HashFn = HASH_FUNCTIONS[hash_algo]
-        self._block_of: dict[int, int] = {}             # block_hash -> block id
+        self._block_of: dict[int, int] = {}             # block_hash -> first block with it
+        self._collided: dict[int, list[int]] = {}       # block_hash -> later blocks with it
         self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
         self._generation: dict[int, int] = {}           # block id -> times it was registered
         self.num_collisions = 0                         # hash matched, content did not
 
     # --- lookup and registration -------------------------------------------------------
-    def lookup(self, key: BlockKey) -> int | None:
-        """The cached block registered with exactly this key, or None. A hash match whose
-        tokens, salt or parent differ is a collision and counts as a miss."""
+    def _find(self, key: BlockKey) -> tuple[int | None, bool]:
+        """(the block registered with exactly ``key`` or None, whether another key shares
+        its hash): the first block of a hash, then the rare ones that collided with it."""
         block = self._block_of.get(key.block_hash)
         if block is None:
-            return None
-        if self._key_of[block] != key:
-            self.num_collisions += 1
-            return None
+            return None, False
+        if self._key_of[block] == key:
+            return block, False
+        for other in self._collided.get(key.block_hash, ()):
+            if self._key_of[other] == key:
+                return other, True
+        return None, True
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The cached block registered with exactly this key, or None. A hash match whose
+        tokens, salt or parent differ is a collision (counted) and a miss."""
+        block, collided = self._find(key)
+        self.num_collisions += collided and block is None
         return block
 
     def identity(self, block: int) -> ParentRef:
@@ -98,11 +117,16 @@ class PrefixCache:
         return block, self._generation[block]
 
     def insert(self, block: int, key: BlockKey) -> bool:
-        """Register a full, computed block. Returns False (and registers nothing) when the hash
-        is already cached: the first block with that content stays the canonical one."""
-        if key.block_hash in self._block_of or block in self._key_of:
+        """Register a full, computed block. Returns False (and registers nothing) when a block
+        with this very key is cached: the first one stays the canonical one. A block whose
+        hash collides with another key is registered beside it, so that a colliding block can
+        never keep a prefix out of the cache."""
+        if block in self._key_of or self._find(key)[0] is not None:
             return False
-        self._block_of[key.block_hash] = block
+        if key.block_hash in self._block_of:
+            self._collided.setdefault(key.block_hash, []).append(block)
+        else:
+            self._block_of[key.block_hash] = block
         self._key_of[block] = key
         self._generation[block] = self._generation.get(block, 0) + 1
         return True
@@ -152,12 +176,14 @@ class PrefixCache:
             hashes.append(block_hash)
             if matching and i < max_hits:
                 block = block_of.get(block_hash)
-                if block is not None and \
-                        key_of[block] == (block_hash, parent_hash, block_tokens, extra, parent):
+                key = (block_hash, parent_hash, block_tokens, extra, parent)
+                if block is not None and key_of[block] != key:   # rare: a hash collision
+                    block, _ = self._find(BlockKey(*key))
+                    collided = block is None
+                if block is not None:
                     hits.append(block)
                     parent = (block, self._generation[block])
                 else:
-                    collided = block is not None
                     matching = False
             parent_hash = block_hash
         return hits, collided
@@ -179,20 +205,51 @@ class PrefixCache:
     # --- forgetting --------------------------------------------------------------------
     def forget(self, block: int) -> None:
         """The pool evicted this block for a new allocation: its hash no longer finds it."""
-        key = self._key_of.pop(block)
-        del self._block_of[key.block_hash]
+        h = self._key_of.pop(block).block_hash
+        others = self._collided.get(h)
+        if self._block_of[h] == block:
+            if others:
+                self._block_of[h] = others.pop(0)
+            else:
+                del self._block_of[h]
+        else:
+            others.remove(block)
+        if others is not None and not others:
+            del self._collided[h]
 
     def clear(self) -> None:
         """Forget every cached block (the pool frees the evictable ones)."""
         self._block_of.clear()
+        self._collided.clear()
         self._key_of.clear()
+
+    # --- snapshot / restore ---------------------------------------------------------------
+    def snapshot(self) -> tuple:
+        """A copy of the maps and counters (see ``LLMEngine.step``)."""
+        return (dict(self._block_of), {h: list(b) for h, b in self._collided.items()},
+                dict(self._key_of), dict(self._generation), self.num_collisions)
+
+    def restore(self, snap: tuple) -> None:
+        """Put the maps back in place (the block manager holds a live view of the keys)."""
+        block_of, collided, key_of, generation, self.num_collisions = snap
+        for mine, saved in ((self._block_of, block_of), (self._key_of, key_of),
+                            (self._generation, generation)):
+            mine.clear()
+            mine.update(saved)
+        self._collided.clear()
+        self._collided.update({h: list(b) for h, b in collided.items()})
 
     def check_invariants(self) -> None:
         """The two maps are inverse; every key re-hashes to its hash; a live parent holds the
         prefix its child claims."""
-        assert len(self._block_of) == len(self._key_of), "hash map and key map differ in size"
+        registered = list(self._block_of.values()) + [b for bs in self._collided.values()
+                                                       for b in bs]
+        assert sorted(registered) == sorted(self._key_of), "hash maps and key map differ"
+        assert all(h in self._block_of for h in self._collided), "collided hash without a first"
         for block, key in self._key_of.items():
-            assert self._block_of.get(key.block_hash) == block, f"block {block}: map out of sync"
+            assert block == self._block_of.get(key.block_hash) \
+                or block in self._collided.get(key.block_hash, ()), \
+                f"block {block}: map out of sync"
             assert self.hash_fn(key.parent_hash, key.token_ids, key.extra_key) == key.block_hash, \
                 f"block {block}: stored hash does not match its content"
             if key.parent is not None and key.parent[0] in self._key_of \

@@ -12,18 +12,24 @@ Room for a decode step or a swap-in is the block manager's own answer
 from __future__ import annotations
 
 from ..config import SchedulerConfig
-from ..memory import AllocStatus, BlockManager, cdiv
+from ..memory import AllocStatus, BlockManager
 from ..sequence import Request, Sequence
 
 
-def can_allocate(bm: BlockManager, seqs: list[Sequence]) -> AllocStatus:
-    """Room for the blocks of ``seqs``' next prefill (``prefill_target`` tokens each)?"""
-    if len(seqs) == 1:
-        return bm.can_allocate(seqs[0].token_ids[:seqs[0].prefill_target])
-    # several sequences (a parallel-sampling request preempted by recompute): count their
-    # blocks without prefix-cache hits, an upper bound of what they take.
-    blocks = sum(cdiv(s.prefill_target, bm.block_size) for s in seqs)
-    return bm.can_allocate(blocks * bm.block_size)
+def prefill_tokens(seqs: list[Sequence]) -> list[list[int]]:
+    """The tokens each sequence's next prefill gives a slot to (``prefill_target`` each)."""
+    return [s.token_ids[:s.prefill_target] for s in seqs]
+
+
+def salt(req: Request) -> tuple | str:
+    """The request's prefix-cache key (``()``: the shared, unsalted namespace)."""
+    return () if req.cache_salt is None else req.cache_salt
+
+
+def can_allocate(bm: BlockManager, req: Request, seqs: list[Sequence]) -> AllocStatus:
+    """Room for the blocks of ``seqs``' next prefill? Several sequences (samples or beams
+    prefilled again after a recompute preemption) share their common prefixes' blocks."""
+    return bm.can_allocate_group(prefill_tokens(seqs), salt(req))
 
 
 def never_fits(cfg: SchedulerConfig, bm: BlockManager, req: Request,
@@ -37,7 +43,7 @@ def never_fits(cfg: SchedulerConfig, bm: BlockManager, req: Request,
         return (f"needs {num_seqs} sequences at once, max_num_seqs={cfg.max_num_seqs} "
                 f"and max_num_batched_tokens={cfg.max_num_batched_tokens}")
     if status == AllocStatus.NEVER:
-        need = sum(cdiv(s.prefill_target, bm.block_size) for s in req.unfinished_seqs)
+        need = bm.group_blocks_needed(prefill_tokens(req.unfinished_seqs))
         return (f"needs {need} GPU blocks, the pool has {bm.num_gpu_blocks} "
                 f"minus a watermark of {bm.watermark_blocks}")
     return None
@@ -45,8 +51,8 @@ def never_fits(cfg: SchedulerConfig, bm: BlockManager, req: Request,
 
 def too_big_to_grow(bm: BlockManager, req: Request) -> str:
     held = len({b for s in req.unfinished_seqs for b in bm.get_block_table(s.seq_id)})
-    return (f"request {req.request_id} cannot grow: it holds {held} of the "
-            f"{bm.num_gpu_blocks} GPU blocks alone and needs more "
+    return (f"cannot grow: request {req.request_id} holds {held} of the "
+            f"{bm.num_gpu_blocks} GPU blocks alone and needs more; its output stops here "
             f"(raise num_gpu_blocks or lower max_model_len / max_tokens)")
 
 

@@ -22,16 +22,27 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
+from typing import NamedTuple
 
 from ..config import CacheConfig, SchedulerConfig
-from ..memory import AllocStatus, BlockManager
-from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
+from ..memory import AllocStatus, BlockManager, ManagerSnapshot
+from ..sequence import Request, RequestFailed, SamplingParams, Sequence, SequenceStatus
 from . import admission as checks
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_samples
 from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
 
 S = SequenceStatus
+
+
+class SchedulerSnapshot(NamedTuple):
+    """``Scheduler.snapshot()``: the queues, counters, request and sequence fields, blocks."""
+    waiting: list[Request]
+    running: list[Request]
+    swapped: list[Request]
+    counters: tuple[int, ...]
+    requests: list[tuple]
+    block_manager: ManagerSnapshot
 
 
 def _fcfs(r: Request) -> tuple[float, int]:
@@ -61,9 +72,11 @@ class Scheduler:
     # ------------------------------------------------------------------------ requests
     def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
                     sampling_params: SamplingParams | None = None,
-                    arrival_time: float = 0.0) -> Request:
+                    arrival_time: float = 0.0, cache_salt: str | None = None) -> Request:
+        """Queue a request (checked first: ``ValueError`` changes nothing). Requests with the
+        same ``cache_salt`` (vLLM's name) share prefix-cache blocks, others never do."""
         req = Request(request_id, tuple(prompt_token_ids), sampling_params or SamplingParams(),
-                      arrival_time)
+                      arrival_time, cache_salt=cache_salt)
         req.seqs.append(Sequence(self.new_seq_id(), req.prompt_token_ids, 0))
         self.waiting.append(req)
         return req
@@ -74,11 +87,16 @@ class Scheduler:
 
     def abort_request(self, request_id: int) -> bool:
         """Finish a request wherever it is, freeing its blocks; False if it is not here."""
+        return self.finish_request(request_id, S.FINISHED_ABORTED, "aborted by the user")
+
+    def finish_request(self, request_id: int, status: SequenceStatus, detail: str) -> bool:
+        """Take a request out of its queue and finish it with ``status`` (``detail``: why),
+        freeing its blocks; False if it is not queued here."""
         for queue in (self.waiting, self.running, self.swapped):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
-                    self._finish(req, S.FINISHED_ABORTED, "aborted by the user")
+                    self._finish(req, status, detail)
                     return True
         return False
 
@@ -123,8 +141,9 @@ class Scheduler:
             ids = [s.seq_id for s in seqs]
             while bm.num_blocks_to_append(ids) > bm.num_free_gpu_blocks:
                 victim = self.victim_policy([req, *queue])
-                if victim is req and not queue and not kept:
-                    self._finish(req, S.FINISHED_ABORTED, checks.too_big_to_grow(bm, req))
+                if victim is req and not queue and not kept:   # alone and still too big: its
+                    # output stops here, like a length cap (vLLM V0 reports it as "length")
+                    self._finish(req, S.FINISHED_LENGTH_CAPPED, checks.too_big_to_grow(bm, req))
                     out.ignored.append(req)
                     break
                 if victim is not req:
@@ -161,6 +180,11 @@ class Scheduler:
         reserve = max(len(seqs), req.sampling_params.num_seqs)
         if reserve > budget.remaining_seqs:
             return
+        # In sample order, and a sequence gets a chunk only once every earlier one's prefill
+        # is complete in this step (a partial chunk uses up the budget, then we stop): so a
+        # sequence re-admitted sharing an earlier one's first blocks (allocate_group) never
+        # runs before the step that writes them (in one forward, each layer writes the whole
+        # batch's K/V before it attends).
         left, entries = budget.remaining_tokens, []
         for seq in seqs:
             if not seq.needs_prefill:
@@ -226,7 +250,7 @@ class Scheduler:
         while self.waiting:
             req = self.waiting[0]
             seqs = req.unfinished_seqs
-            status = checks.can_allocate(bm, seqs)
+            status = checks.can_allocate(bm, req, seqs)
             reason = checks.never_fits(cfg, bm, req, status)
             if reason is not None:
                 self.waiting.popleft()
@@ -241,12 +265,13 @@ class Scheduler:
                     seqs[0].prefill_target > budget.remaining_tokens:
                 break
             self.waiting.popleft()
-            for seq in seqs:
-                target = seq.prefill_target
-                cached = bm.allocate(seq.seq_id, seq.token_ids[:target])
-                if req.first_scheduled_time is None:
-                    req.num_cached_tokens = cached
-                seq.num_computed_tokens = min(cached, target - 1)  # the last one makes logits
+            shares = bm.allocate_group(
+                [(s.seq_id, t) for s, t in zip(seqs, checks.prefill_tokens(seqs), strict=True)],
+                checks.salt(req))
+            if req.first_scheduled_time is None:
+                req.num_cached_tokens = shares[0][0]
+            for seq, (done, _) in zip(seqs, shares, strict=True):
+                seq.num_computed_tokens = min(done, seq.prefill_target - 1)  # the last makes logits
                 seq.status = S.RUNNING
             self._schedule_prefill(req, budget, out)
             self.running.append(req)
@@ -278,8 +303,11 @@ class Scheduler:
             req = entries[0].request
             if req.first_token_time is None:
                 req.first_token_time = now
-            self.num_generated_tokens += apply_samples(req, entries, samples, bm,
-                                                       self.new_seq_id, self.config.max_model_len)
+            try:
+                self.num_generated_tokens += apply_samples(
+                    req, entries, samples, bm, self.new_seq_id, self.config.max_model_len)
+            except Exception as exc:       # this request's samples: it alone is to blame
+                raise RequestFailed(req.request_id, exc) from exc
             if req.is_finished:
                 req.finished_time = now
                 finished.append(req)
@@ -289,6 +317,39 @@ class Scheduler:
         for req in out.ignored:
             req.finished_time = now
         return finished + out.ignored
+
+    # ------------------------------------------------------------ snapshot / restore
+    def snapshot(self) -> SchedulerSnapshot:
+        """Everything a step can change: the queues, the counters, each queued request's
+        fields and sequences, and the block manager (see ``LLMEngine.step``). A sequence's
+        output list is only ever appended to, so its length is enough to restore it."""
+        reqs = []
+        for req in (*self.waiting, *self.running, *self.swapped):
+            seqs = [(s, s.status, s.num_computed_tokens, s.output_token_ids,
+                     len(s.output_token_ids), s.cumulative_logprob) for s in req.seqs]
+            reqs.append((req, list(req.seqs), seqs, req.first_scheduled_time,
+                         req.first_token_time, req.finished_time, req.finish_reason,
+                         req.finish_detail, req.num_preemptions, req.num_cached_tokens))
+        return SchedulerSnapshot(
+            list(self.waiting), list(self.running), list(self.swapped),
+            (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
+             self.num_generated_tokens, self._next_seq_id),
+            reqs, self.block_manager.snapshot())
+
+    def restore(self, snap: SchedulerSnapshot) -> None:
+        """Put the queues, requests, sequences, counters and blocks back as in ``snap``."""
+        self.waiting = deque(snap.waiting)
+        self.running, self.swapped = list(snap.running), list(snap.swapped)
+        (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
+         self.num_generated_tokens, self._next_seq_id) = snap.counters
+        for (req, seq_list, seqs, req.first_scheduled_time, req.first_token_time,
+             req.finished_time, req.finish_reason, req.finish_detail, req.num_preemptions,
+             req.num_cached_tokens) in snap.requests:
+            req.seqs = list(seq_list)
+            for seq, seq.status, seq.num_computed_tokens, out, n, seq.cumulative_logprob in seqs:
+                del out[n:]
+                seq.output_token_ids = out
+        self.block_manager.restore(snap.block_manager)
 
     def check_invariants(self) -> None:
         """Every queued sequence has the status of its queue; running ones hold GPU tables,
