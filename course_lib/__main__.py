@@ -30,6 +30,14 @@ def _positive(kind):
     return parse
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535 (0: any free one), "
+                                         f"got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__.split(
         "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--block-size", type=int, default=16)
     srv = sub.add_parser("serve-metrics", help="replay a trace while serving /metrics")
-    srv.add_argument("--port", type=int, default=0, help="0: any free port")
+    srv.add_argument("--port", type=_port, default=0, help="0: any free port")
     srv.add_argument("--trace", choices=("sharegpt", "alpaca"), default="sharegpt")
     srv.add_argument("--num-requests", type=_positive(int), default=200)
     srv.add_argument("--rate", type=_positive(float), default=float("inf"),
@@ -75,6 +83,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             beam_width=args.beam_width)
     engine = LLMEngine(cache_config=CacheConfig(block_size=args.block_size, num_gpu_blocks=256))
     out = engine.generate(args.prompt, params)[0]
+    if out.finish_reason in ("ignored", "error", "abort"):
+        print(f"error: the request was not served ({out.finish_reason}): {out.finish_detail}",
+              file=sys.stderr)
+        return 1
     for c in out.outputs:
         label = f"[{c.index}]" if len(out.outputs) > 1 else ""
         print(f"{label}{args.prompt}{c.text}")
@@ -148,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_serve_metrics(args)
     except ValueError as exc:          # bad values a user can fix: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:             # e.g. the port is in use
+        print(f"error: {exc.strerror or exc}", file=sys.stderr)
         return 2
 
 

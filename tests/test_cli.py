@@ -39,8 +39,34 @@ def test_generate_with_n_samples_prints_each_and_is_seeded(capsys) -> None:
 def test_bad_values_give_one_line_errors(capsys) -> None:
     assert main(["generate", "x", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["generate", "x", "--max-tokens", "0"])
+    assert main(["generate", "x", "--temperature", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: temperature must be a finite number") and err.count("\n") == 1
+    for bad in (["generate", "x", "--max-tokens", "0"], ["serve-metrics", "--port", "70000"],
+                ["serve-metrics", "--port", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(bad)
+        assert exit_.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_a_one_line_error(capsys) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve-metrics", "--port", str(port), "--model-free", "--num-requests",
+                     "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_a_request_that_is_not_served_exits_non_zero(capsys) -> None:
+    assert main(["generate", "x" * 300, "--max-tokens", "4"]) == 1     # past the context
+    err = capsys.readouterr().err
+    assert "not served (ignored)" in err and "max_model_len" in err
 
 
 def scrape(url: str) -> dict[str, float]:

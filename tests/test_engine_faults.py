@@ -357,3 +357,28 @@ def test_random_faults_hurt_only_the_requests_they_hit(model, picks, mode, prefi
         assert [o.token_ids for o in f.outputs] == [o.token_ids for o in c.outputs]
     blamed = sum(f.finish_reason == "error" for f in faulty)
     assert failed + blamed <= len(faults.fired)
+
+
+# ----------------------------------------------------------------- tenants' caches
+def test_cache_salts_keep_tenants_from_probing_each_others_prompts(model):
+    """The issue's attack: a tenant guesses another's prompt (a PIN) and reads
+    num_cached_tokens. With a salt per tenant only the tenant's own requests hit."""
+    engine = make_engine(model)
+    secret = "Account PIN 4711: the LORD is my shepherd"
+    engine.generate([secret], GREEDY)                        # unsalted: shared namespace
+    engine.add_request(secret, GREEDY, cache_salt="alice")
+    run_all(engine)
+    guesses = {pin: f"Account PIN {pin}: the LORD is my shepherd" for pin in (1234, 4711)}
+
+    def probe(text, salt):
+        rid = engine.add_request(text, GREEDY, cache_salt=salt)
+        return run_all(engine)[0][rid].num_cached_tokens
+
+    # without salts the side channel is there: the right guess hits far more (the detector)
+    unsalted = {pin: probe(text, None) for pin, text in guesses.items()}
+    assert unsalted[4711] >= 32 > unsalted[1234] + 16
+    # salted, a guess (each in a fresh namespace of mallory's) hits nothing, right or wrong
+    salted = {pin: probe(text, f"mallory-{pin}") for pin, text in guesses.items()}
+    assert salted == {1234: 0, 4711: 0}
+    assert probe(secret, "alice") >= 32                      # alice's own prefix is cached
+    engine.check_invariants()

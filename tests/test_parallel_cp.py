@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -204,3 +205,68 @@ def test_nccl_when_gpus_are_present():
     assert [r["sum"] for r in launch(rank_sum_worker, 2)] == [1, 1]
     checks = check_against_single_rank([CPCase(dtype="float32")], 2)
     assert all(c.ok for c in checks)
+
+
+# ------------------------------------------------------------------------ no orphans
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"      # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+def _pids(pid_dir, world_size: int, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        files = sorted(pid_dir.glob("rank*.pids"))
+        if len(files) == world_size and all(f.read_text().endswith("\n") for f in files):
+            return [int(p) for f in files for p in f.read_text().split()]
+        time.sleep(0.1)
+    raise AssertionError("the ranks did not start")
+
+
+def _all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
+def test_a_failed_run_leaves_no_rank_and_no_process_a_rank_started(tmp_path):
+    from rank_workers import spawning_worker
+
+    with pytest.raises(RankFailedError, match="fails with a child running"):
+        launch(spawning_worker, 2, (str(tmp_path), 1), timeout_s=60)
+    pids = _pids(tmp_path, 2, timeout_s=1)
+    assert len(pids) == 4 and _all_gone(pids), "orphans survived the run"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
+def test_ranks_and_their_children_die_with_a_parent_killed_by_sigkill(tmp_path):
+    """A Jupyter kernel killed mid-run: nothing of the run may keep running."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(tests)!r})\n"
+            "from course_lib.parallel.launch import launch\n"
+            "from rank_workers import spawning_worker\n"
+            f"launch(spawning_worker, 2, ({str(tmp_path)!r}, -1), timeout_s=600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        pids = _pids(tmp_path, 2)
+        assert all(_alive(p) for p in pids)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert _all_gone(pids), "ranks or their children outlived the killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -227,7 +227,7 @@ class LLMEngine:
             if e.num_candidates:
                 rid = e.request.request_id
                 try:
-                    samples[e.seq.seq_id] = sample(e, logits[e.seq.seq_id], self._seeds[rid])
+                    samples[e.seq.seq_id] = self._sample_twice(e, logits[e.seq.seq_id])
                 except Exception as exc:          # this request's sampling: it alone failed
                     raise RequestFailed(rid, exc) from exc
         finished = sched.update(out, samples, self.now())
@@ -236,6 +236,15 @@ class LLMEngine:
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]
+
+    def _sample_twice(self, entry: ScheduledSeq, logits) -> list[tuple[int, float]]:
+        """Sample (a seeded, pure function of the logits); a failure is tried once more, so
+        that only a failure that repeats is blamed on the request."""
+        seed = self._seeds[entry.request.request_id]
+        try:
+            return sample(entry, logits, seed)
+        except Exception:
+            return sample(entry, logits, seed)
 
     def _protect(self, out: SchedulerOutput, checkpoint: Checkpoint) -> None:
         """Copy the cache blocks this step overwrites whose contents mattered at its start."""
@@ -252,9 +261,10 @@ class LLMEngine:
 
     def _diagnose(self, checkpoint: Checkpoint) -> tuple[int, BaseException] | None:
         """After a failed step (already rolled back): run it again with one forward per
-        request. A request is to blame when its forward fails alone while another one's
-        succeeds; if every forward fails (the device, not a request) or all succeed (a
-        transient fault), nobody is. The state is rolled back again whatever happens."""
+        request. A request is to blame when its forward fails alone, twice (a transient fault
+        rarely strikes twice), while another one's succeeds; if every forward fails (the
+        device, not a request) or all succeed (a transient fault), nobody is. The state is
+        rolled back again whatever happens."""
         try:
             out = self.scheduler.schedule()
             self._protect(out, checkpoint)
@@ -264,10 +274,13 @@ class LLMEngine:
                 by_request.setdefault(e.request.request_id, []).append(e)
             failures = []
             for rid, entries in by_request.items():
-                try:
-                    self.runner.execute_model(entries)
-                except Exception as exc:
-                    failures.append((rid, exc))
+                for attempt in range(2):
+                    try:
+                        self.runner.execute_model(entries)
+                        break
+                    except Exception as exc:
+                        if attempt:
+                            failures.append((rid, exc))
             return failures[0] if 0 < len(failures) < len(by_request) else None
         except Exception:
             return None

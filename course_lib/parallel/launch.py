@@ -12,6 +12,10 @@ in each and returns the ranks' results in rank order.
 * ``worker`` must be importable by name (a module-level function of a module, not of a
   notebook cell): spawned interpreters re-import it. Results travel back as ``torch.save``
   bytes, so tensors, lists, dicts and numbers are fine.
+* No orphans: each rank leads its own process group, so that whatever it starts belongs to
+  it. When the run ends, however it ends, the parent kills every rank's whole group; and a
+  watchdog thread in each rank kills its group as soon as the parent is gone, whatever
+  killed the parent (even ``SIGKILL``, e.g. a Jupyter kernel killed mid-run).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -67,13 +73,43 @@ def check_world_size(world_size: int, backend: str) -> None:
                          f"got {world_size!r}")
 
 
+WATCHDOG_PERIOD_S = 0.1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a rank: lead a new process group (what the rank starts joins it), and kill that
+    whole group as soon as the parent process is gone. A thread, so that it runs while the
+    main thread waits in a collective."""
+    os.setpgid(0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(WATCHDOG_PERIOD_S)
+        os.killpg(0, signal.SIGKILL)
+
+    if os.getppid() != parent_pid:          # the parent died before we started
+        os.killpg(0, signal.SIGKILL)
+    threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
+
+
+def _kill_group(proc: Any) -> None:
+    """Kill a rank and everything in its process group (it may have died already)."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
-           worker: Callable[..., Any], args: tuple, results: Any) -> None:
+           worker: Callable[..., Any], args: tuple, results: Any, parent_pid: int) -> None:
     """Body of one spawned rank: join the group, run the worker, report, leave.
 
     A failure is reported (with the time it happened) *before* the rank leaves the group, so
     the root cause is stamped earlier than the errors it then causes on its peers.
     """
+    _die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 
@@ -91,6 +127,10 @@ def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float
     except BaseException as exc:  # report every failure; the parent decides what to raise
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}",
                      time.time()))
+        # delivered before this rank leaves the group: the root cause reaches the parent
+        # before the errors its departure causes on the peers (or a crash on the way out)
+        results.close()
+        results.join_thread()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -145,7 +185,8 @@ def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backe
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, name=f"cp-rank-{r}", daemon=True,
-                         args=(r, world_size, port, backend, timeout_s, worker, args, results))
+                         args=(r, world_size, port, backend, timeout_s, worker, args, results,
+                               os.getpid()))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -188,9 +229,8 @@ def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backe
                 p.terminate()
         for p in procs:
             p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            _kill_group(p)                      # the rank, if still there, and its children
+            p.join(timeout=5)
         results.close()
     return [done[r] for r in range(world_size)]
 
