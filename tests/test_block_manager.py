@@ -599,3 +599,15 @@ def test_salts_equal_in_python_but_of_other_types_never_share_blocks():
         assert m.allocate(len(m.seq_ids()), toks(9), extra_key=other) == 0, other
     assert m.allocate(len(m.seq_ids()), toks(9), extra_key=1) == 2 * BS   # the same salt hits
     m.check_invariants()
+
+
+def test_lookups_of_unknown_ids_and_blocks_give_clear_errors():
+    m = mgr(8)
+    m.allocate("a", toks(3))
+    m.allocate(1, toks(3))
+    with pytest.raises(ValueError, match="seq 'zz' has no blocks.*allocated seqs: \\['a', 1\\]"):
+        m.get_table("zz")                              # str and int ids: no TypeError
+    for bad in (-1, 8, True):
+        with pytest.raises(ValueError, match="gpu block ids are 0..7"):
+            m.ref_count(bad)
+    assert m.ref_count(0) == 1

@@ -257,3 +257,29 @@ def test_engine_on_cuda_gives_the_contiguous_tokens_with_swap_and_forks() -> Non
     assert len({tuple(c.token_ids) for c in fork[0].outputs}) == 1
     assert engine.runner.num_copied_blocks > 0
     assert_all_blocks_back(engine)
+
+
+# ------------------------------------------------------------------- the V1 design
+@pytest.mark.parametrize("blocks, prefix", [(128, False), (128, True), (14, True)])
+def test_v1_design_gives_the_contiguous_tokens_and_v0s_samples(model, reference, blocks,
+                                                               prefix) -> None:
+    """vLLM V1's KVCacheManager and scheduler under the same model, runner and sampler:
+    greedy equals the contiguous cache (with preemption by recompute at 14 blocks), and seeded
+    parallel samples (V1: child sequences) are V0's samples token for token."""
+    v1 = make_engine(model, block_size=4, num_gpu_blocks=blocks, prefix=prefix, design="v1")
+    outs = v1.generate(PROMPTS, GREEDY)
+    done = [o for o in outs if o.finish_detail is None]
+    assert len(done) >= 4
+    assert all(o.outputs[0].token_ids == reference[PROMPTS.index(TOK.decode(
+        o.prompt_token_ids[1:]))] for o in done)
+    sampled = SamplingParams(max_tokens=12, n=3, temperature=0.9, seed=4)
+    v0 = make_engine(model, block_size=4, design="v0").generate("And God said unto", sampled)
+    again = v1.generate("And God said unto", sampled)
+    assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in v0[0].outputs]
+    assert_all_blocks_back(v1)
+    if blocks == 14:
+        assert v1.scheduler.num_preemptions > 0
+    with pytest.raises(ValueError, match="beam search"):
+        v1.add_request("x", SamplingParams(beam_width=2))
+    with pytest.raises(ValueError, match="design must be one of"):
+        make_engine(model, design="v2")

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ..config import CacheConfig, SchedulerConfig
 from ..model import EOS_ID, ByteTokenizer, TinyLlama
-from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerV1
 from ..scheduler.metrics import Metrics
 from ..sequence import (
     Request,
@@ -49,6 +49,12 @@ from ..sequence import (
 from .model_runner import ModelRunner
 from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk, put_back
 from .sampler import sample
+
+# The engine's core, by vLLM generation: "v0" is the paper's and vLLM V0's design (block
+# manager with copy-on-write and swap, prefill and decode phases); "v1" is vLLM V1's (the
+# KVCacheManager with its free-block queue, one token budget, recompute only, n child
+# sequences). The model runner, sampler and model are the same.
+DESIGNS = {"v0": Scheduler, "v1": SchedulerV1}
 
 
 @dataclass
@@ -93,6 +99,8 @@ class LLMEngine:
     stops (the token is kept), as ``generate_contiguous`` does; beam search ignores them (the
     scheduler's beam step keeps ``beam_width`` live beams).
     ``clock``: seconds, for the timestamps (tests may pass a fake one).
+    ``design``: ``"v0"`` (the default: vLLM V0's block manager and scheduler, the paper's
+    design) or ``"v1"`` (vLLM V1's ``KVCacheManager`` and scheduler); see :data:`DESIGNS`.
     """
 
     def __init__(self, model: TinyLlama | None = None,
@@ -100,7 +108,7 @@ class LLMEngine:
                  cache_config: CacheConfig | None = None, *, attn_impl: str = "auto",
                  stop_token_ids: Sequence[int] = (EOS_ID,),
                  clock: Callable[[], float] = time.perf_counter,
-                 model_name: str = "tiny-llama") -> None:
+                 model_name: str = "tiny-llama", design: str = "v0") -> None:
         if model is None:
             from ..model import load_tiny_model
 
@@ -113,12 +121,15 @@ class LLMEngine:
             raise ValueError(f"max_model_len={scheduler_config.max_model_len} is past the "
                              f"model's context ({context}); use max_model_len <= {context}")
         cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256)
+        if design not in DESIGNS:
+            raise ValueError(f"design must be one of {tuple(DESIGNS)}, got {design!r}")
+        self.design = design
         self.model = model
         self.tokenizer = ByteTokenizer()
-        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.scheduler = DESIGNS[design](scheduler_config, cache_config)
         self.block_manager = self.scheduler.block_manager
         self.runner = ModelRunner(model, cache_config.block_size, cache_config.num_gpu_blocks,
-                                  cache_config.num_cpu_blocks, attn_impl)
+                                  self.block_manager.num_cpu_blocks, attn_impl)
         self.metrics = Metrics(self.scheduler, model_name)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.clock = clock

@@ -8,6 +8,8 @@
                         plain data for the engine or the simulator
 * ``output_processor``  sampled tokens appended, parallel samples forked, beams kept or freed
 * ``metrics``           Prometheus collectors with vLLM's names, fed by the engine and the replay
+* ``v1``                :class:`SchedulerV1`: vLLM V1's scheduler (one token budget, no phases,
+                        recompute only, ``n`` child sequences) over the V1 ``KVCacheManager``
 """
 
 from .output import ScheduledSeq, SchedulerOutput
@@ -19,6 +21,7 @@ from .policy import (
     longest_first,
 )
 from .scheduler import Scheduler
+from .v1 import SchedulerV1
 
-__all__ = ["Scheduler", "ScheduledSeq", "SchedulerOutput", "SchedulingBudget", "VictimPolicy",
-           "VICTIM_POLICIES", "last_arrived_first", "longest_first"]
+__all__ = ["Scheduler", "SchedulerV1", "ScheduledSeq", "SchedulerOutput", "SchedulingBudget",
+           "VictimPolicy", "VICTIM_POLICIES", "last_arrived_first", "longest_first"]

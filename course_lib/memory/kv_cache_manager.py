@@ -1,0 +1,256 @@
+"""KVCacheManager: vLLM V1's block manager (``vllm/v1/core/kv_cache_manager.py``, vLLM 0.33.0),
+for one full-attention KV-cache group, over :class:`~course_lib.memory.block_pool.BlockPool`.
+
+What V1 does differently from the V0 pair (:class:`~course_lib.memory.manager.BlockManager`):
+
+* **No copy-on-write, no swap, no fork.** A V1 request is one sequence. Parallel sampling runs
+  ``n`` child requests that share the prompt's full blocks through the prefix cache; beam search
+  runs outside the engine core; preemption is by recompute only.
+* **No separate can-allocate probe.** The scheduler looks up the cache hit once
+  (:meth:`get_computed_blocks`), then asks :meth:`allocate_slots` for room for the tokens it
+  will compute this step; ``None`` means there is no room (preempt something, or wait).
+  Blocks are allocated per step for the tokens scheduled (a chunk, or one decode token), not for
+  the whole prompt up front.
+* **Hashes are computed once per request** as its blocks fill, and kept with it (vLLM 0.33 keeps
+  them on the ``Request``; the course keeps them here, per sequence). The cache salt enters the
+  first block's hash only: the chain carries it to the rest (``generate_block_hash_extra_keys``).
+* **Blocks are cached when they are allocated** for tokens this step computes, as vLLM does: a
+  request admitted later in the same step may hit them, because in one forward pass each layer
+  writes every new token's K/V before any token attends. (The V0 pair caches blocks only after
+  the step ran: its preemptions and swaps can give blocks away between schedule and forward.)
+* **Hits trust the hash** (sha256): no token check. The V0 pair's verified hit is the other
+  choice; chapter 06 compares the two.
+* **The watermark** (vLLM 0.33's ``watermark``, default 0) holds back blocks from admissions of
+  waiting requests only, never from running ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import NamedTuple
+
+from .block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from .block_table import cdiv
+from .manager import BlockUsage, PrefixCacheStats
+from .pool import EVICTABLE, FREE, HELD
+
+
+class SeqBlocks(NamedTuple):
+    """A sequence's blocks as a snapshot sees them (the V0 snapshot's table shape)."""
+    blocks: list[int]
+    device: str = "gpu"
+
+
+class PoolState(NamedTuple):
+    state: bytearray                     # HELD / FREE / EVICTABLE per block
+
+
+class V1Snapshot(NamedTuple):
+    """``KVCacheManager.snapshot()``; ``gpu``, ``cpu`` and ``tables`` read like V0's."""
+    gpu: PoolState
+    cpu: PoolState
+    tables: dict[int, SeqBlocks]
+    pool: tuple
+    per_seq: tuple
+    counters: tuple[int, int]
+
+
+class KVCacheManager:
+    """vLLM V1's KV-cache manager for one group of full-attention layers (module docstring).
+
+    Keys are sequence ids (a V1 request is one sequence). ``prefix_caching_hash_algo``:
+    ``"sha256"`` (vLLM's default) or ``"builtin"`` (Python's ``hash``: fast, and weak enough to
+    show what trusting a hash means).
+    """
+
+    def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024,
+                 enable_caching: bool = True, watermark: float = 0.0,
+                 prefix_caching_hash_algo: str = "sha256") -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) \
+                or not 1 <= block_size <= 256 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        if prefix_caching_hash_algo not in ("sha256", "builtin"):
+            raise ValueError(f"prefix_caching_hash_algo must be 'sha256' or 'builtin', "
+                             f"got {prefix_caching_hash_algo!r}")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = 0                      # V1: no swap space
+        self.enable_caching = enable_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.hash_fn = hash_block_tokens if prefix_caching_hash_algo == "sha256" else \
+            (lambda parent, tokens, extra: hash((parent, tuple(tokens), extra)))
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[int, list] = {}
+        self.num_cached_block: dict[int, int] = {}   # leading blocks entered in the cache
+        self.num_slots: dict[int, int] = {}          # tokens with a slot
+        self.salts: dict[int, Hashable] = {}
+        self.prefix_cache_queries = 0                # tokens looked up
+        self.prefix_cache_hits = 0                   # of those, found
+
+    # ------------------------------------------------------------------------ queries
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    num_free_cpu_blocks = 0
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self.req_to_blocks
+
+    def seq_ids(self) -> list[int]:
+        return list(self.req_to_blocks)
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        """Block ids of the sequence, in order (a copy)."""
+        if seq_id not in self.req_to_blocks:
+            raise ValueError(f"seq {seq_id!r} has no blocks")
+        return [b.block_id for b in self.req_to_blocks[seq_id]]
+
+    # ------------------------------------------------------------------- the hashes
+    def _hashes(self, seq_id: int, token_ids: list[int]) -> list:
+        """The sequence's block hashes, extended to every full block of ``token_ids``."""
+        hashes = self.req_to_block_hashes.setdefault(seq_id, [])
+        bs, salt = self.block_size, self.salts.get(seq_id)
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), len(token_ids) // bs):
+            extra = salt if i == 0 else None          # the salt: first block only
+            parent = self.hash_fn(parent, token_ids[i * bs:(i + 1) * bs], extra)
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, seq_id: int, token_ids: list[int],
+                            cache_salt: Hashable = None) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the longest prefix of full blocks of ``token_ids`` (a new or
+        preempted sequence), at most ``len - 1`` tokens (the last one must be computed to
+        get logits); and how many tokens they hold. Counts a prefix-cache query."""
+        self.salts[seq_id] = cache_salt
+        if not self.enable_caching:
+            return [], 0
+        hits = []
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        for block_hash in self._hashes(seq_id, token_ids)[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_stats(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted sequence's lookup (``vllm:prefix_cache_queries`` / ``_hits``):
+        once, when it is admitted, however many steps it waited."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    # -------------------------------------------------------------------- allocate
+    def allocate_slots(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
+                       num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = (),
+                       admission: bool = False) -> list[int] | None:
+        """Room for ``num_new_tokens`` more tokens after ``num_computed_tokens`` (plus the
+        ``new_computed_blocks`` of a prefix hit, for a sequence being admitted). Returns the
+        sequence's block ids, or None if the pool is short (nothing changes). Full blocks of
+        the tokens this step computes enter the prefix cache now (see the module docstring).
+        ``admission``: a waiting sequence, held to the watermark."""
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        blocks = self.req_to_blocks.get(seq_id, [])
+        num_hit = len(new_computed_blocks) * self.block_size
+        total = num_computed_tokens + num_hit + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(f"seq {seq_id}: {total} tokens to hold, it has {len(token_ids)}")
+        num_required = cdiv(total, self.block_size)
+        num_new = num_required - len(blocks) - len(new_computed_blocks)
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        reserve = self.watermark_blocks if admission else 0
+        if num_new + evictable_hits > self.num_free_gpu_blocks - reserve:
+            return None
+        pool = self.block_pool
+        pool.touch(new_computed_blocks)
+        blocks = blocks + list(new_computed_blocks) + pool.get_new_blocks(max(num_new, 0))
+        self.req_to_blocks[seq_id] = blocks
+        self.num_slots[seq_id] = total
+        if self.enable_caching:
+            num_full = total // self.block_size
+            hashes = self._hashes(seq_id, token_ids[:num_full * self.block_size])
+            pool.cache_full_blocks(blocks, hashes, self.num_cached_block.get(seq_id, 0),
+                                   num_full)
+            self.num_cached_block[seq_id] = num_full
+        return [b.block_id for b in blocks]
+
+    def free(self, seq_id: int) -> None:
+        """Give the sequence's blocks back, tail first: the end of a chain is evicted before
+        its beginning, which more requests are likely to share. Its hashes stay (a preempted
+        sequence comes back with them) until :meth:`forget`."""
+        if seq_id not in self.req_to_blocks:
+            raise ValueError(f"seq {seq_id!r} has no blocks")
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(seq_id)))
+        self.num_cached_block.pop(seq_id, None)
+        self.num_slots.pop(seq_id, None)
+
+    def forget(self, seq_id: int) -> None:
+        """A finished sequence: drop its blocks (if any) and its hashes."""
+        if seq_id in self.req_to_blocks:
+            self.free(seq_id)
+        self.req_to_block_hashes.pop(seq_id, None)
+        self.salts.pop(seq_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------- usage and checks
+    def usage(self, device: str = "gpu") -> BlockUsage:
+        """Occupancy (the V0 pair's :class:`BlockUsage`); V1 has no CPU pool."""
+        if device == "cpu":
+            return BlockUsage("cpu", self.block_size, 0, 0, 0, 0, 0)
+        free = self.block_pool.free_block_queue.get_all_free_blocks()
+        entries = sum(len(b) for b in self.req_to_blocks.values())
+        held = self.num_gpu_blocks - len(free)
+        empty = sum(len(blocks) * self.block_size - self.num_slots[s]
+                    for s, blocks in self.req_to_blocks.items())
+        return BlockUsage("gpu", self.block_size, self.num_gpu_blocks, len(free),
+                          sum(1 for b in free if b.block_hash is not None), entries,
+                          held * self.block_size - empty)
+
+    def check_invariants(self) -> None:
+        """The pool's invariants; a block's ref count is the number of tables holding it; a
+        table holds the blocks its slots need, each cached block under its own hash."""
+        self.block_pool.check_invariants()
+        refs = [0] * self.num_gpu_blocks
+        for seq_id, blocks in self.req_to_blocks.items():
+            for block in blocks:
+                refs[block.block_id] += 1
+            assert len(blocks) == cdiv(self.num_slots[seq_id], self.block_size), \
+                f"seq {seq_id}: {len(blocks)} blocks for {self.num_slots[seq_id]} slots"
+            hashes = self.req_to_block_hashes.get(seq_id, [])
+            for i in range(self.num_cached_block.get(seq_id, 0)):
+                assert blocks[i].block_hash == hashes[i], f"seq {seq_id} block {i}: hash"
+        assert refs == [b.ref_cnt for b in self.block_pool.blocks], "ref counts != tables"
+
+    # ------------------------------------------------------------ snapshot / restore
+    def snapshot(self) -> V1Snapshot:
+        pool = self.block_pool
+        state = bytearray(HELD if b.ref_cnt else (FREE if b.block_hash is None else EVICTABLE)
+                          for b in pool.blocks)
+        tables = {s: SeqBlocks([b.block_id for b in bs]) for s, bs in self.req_to_blocks.items()}
+        per_seq = ({s: [b.block_id for b in bs] for s, bs in self.req_to_blocks.items()},
+                   {s: list(h) for s, h in self.req_to_block_hashes.items()},
+                   dict(self.num_cached_block), dict(self.num_slots), dict(self.salts))
+        return V1Snapshot(PoolState(state), PoolState(bytearray()), tables, pool.snapshot(),
+                          per_seq, (self.prefix_cache_queries, self.prefix_cache_hits))
+
+    def restore(self, snap: V1Snapshot) -> None:
+        self.block_pool.restore(snap.pool)
+        blocks = self.block_pool.blocks
+        table_ids, hashes, cached, slots, salts = snap.per_seq
+        self.req_to_blocks = {s: [blocks[i] for i in ids] for s, ids in table_ids.items()}
+        self.req_to_block_hashes = {s: list(h) for s, h in hashes.items()}
+        self.num_cached_block, self.num_slots, self.salts = dict(cached), dict(slots), \
+            dict(salts)
+        self.prefix_cache_queries, self.prefix_cache_hits = snap.counters

@@ -1,0 +1,214 @@
+"""vLLM V1's KVCacheManager and BlockPool: the free-block queue, hashing, hits, eviction order,
+allocation without a probe, and a stateful hypothesis test with the invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from course_lib.memory import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
+from course_lib.memory.block_pool import NONE_HASH, hash_block_tokens, sha256
+
+pytestmark = pytest.mark.ch06
+BS = 4
+
+
+def toks(n: int, start: int = 1) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ------------------------------------------------------------------ free block queue
+def test_free_queue_pops_front_removes_from_the_middle_and_keeps_both_links():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    q = FreeKVCacheBlockQueue(blocks)
+    assert [b.block_id for b in q.get_all_free_blocks()] == [0, 1, 2, 3, 4]
+    q.remove(blocks[2])                                # a prefix hit: O(1), from the middle
+    assert q.popleft() is blocks[0] and q.num_free_blocks == 3
+    q.prepend_n([blocks[0]])
+    q.append(blocks[2])
+    assert [b.block_id for b in q.get_all_free_blocks()] == [0, 1, 3, 4, 2]
+    assert [b.block_id for b in q.popleft_n(5)] == [0, 1, 3, 4, 2]
+    with pytest.raises(ValueError, match="no free blocks"):
+        q.popleft()
+    with pytest.raises(ValueError, match="not in the free queue"):
+        q.remove(blocks[1])
+
+
+def test_hashes_chain_from_vllms_none_hash_and_equal_content_gives_equal_hashes():
+    assert NONE_HASH == sha256("vllm-none-hash")
+    first = hash_block_tokens(None, [1, 2, 3, 4])
+    assert first == hash_block_tokens(NONE_HASH, (1, 2, 3, 4))
+    assert hash_block_tokens(first, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
+    assert hash_block_tokens(None, [1, 2, 3, 4], "salt") != first
+
+
+# -------------------------------------------------------------------- the manager
+def admit(m: KVCacheManager, seq_id: int, tokens: list[int], salt=None) -> int:
+    hits, num_hit = m.get_computed_blocks(seq_id, tokens, salt)
+    assert m.allocate_slots(seq_id, tokens, 0, len(tokens) - num_hit, hits,
+                            admission=True) is not None
+    m.record_prefix_cache_stats(len(tokens), num_hit)
+    return num_hit
+
+
+def test_a_second_prompt_hits_the_first_ones_full_blocks_but_never_its_last_token():
+    m = KVCacheManager(BS, 16)
+    assert admit(m, 0, toks(10)) == 0
+    assert admit(m, 1, toks(10)) == 8                  # 2 full blocks; token 9 in a partial
+    assert m.get_block_table(1)[:2] == m.get_block_table(0)[:2]
+    assert admit(m, 2, toks(8)) == 4                   # all full, but the last token computes
+    assert m.prefix_cache_stats.hits == 12 and m.prefix_cache_stats.queries == 28
+    m.check_invariants()
+
+
+def test_freed_blocks_never_cached_are_reused_first_cached_ones_last_in_lru_order():
+    m = KVCacheManager(BS, 8)
+    admit(m, 0, toks(10))                              # blocks 0, 1 cached; 2 partial
+    admit(m, 1, toks(6, 100))                          # block 3 cached; 4 partial
+    m.free(0)
+    m.free(1)
+    queue = [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()]
+    # never-cached partial blocks first (1's, then 0's), then the fresh ones, then the
+    # cached ones, tail of each chain first, least recently freed first
+    assert queue[:2] == [4, 2] and queue[-3:] == [1, 0, 3]
+    assert m.usage().num_cached_free_blocks == 3
+    m.check_invariants()
+
+
+def test_equal_blocks_are_not_merged_and_allocation_evicts_from_the_front():
+    m = KVCacheManager(BS, 4)
+    m.get_computed_blocks(0, toks(8))
+    assert m.allocate_slots(0, toks(8), 0, 4) == [0]   # a first chunk of 4 tokens
+    m.get_computed_blocks(1, toks(8))                  # same prompt, nothing cached yet? no:
+    hits, n = m.get_computed_blocks(1, toks(8))        # block 0 was cached when allocated
+    assert [b.block_id for b in hits] == [0] and n == 4
+    assert m.allocate_slots(0, toks(8), 4, 4) == [0, 1]
+    # a third sequence fills its own block with the same tokens: not merged into block 0
+    m.get_computed_blocks(2, toks(5))
+    assert m.allocate_slots(2, toks(5), 0, 5) == [2, 3]
+    assert len(m.block_pool.cached_block_hash_to_block[m.req_to_block_hashes[0][0]]) == 2
+    m.check_invariants()
+
+
+def test_allocate_slots_answers_none_when_short_and_changes_nothing():
+    m = KVCacheManager(BS, 3, watermark=0.34)          # 1 block held back from admissions
+    admit(m, 0, toks(8))
+    before = m.snapshot()
+    hits, _ = m.get_computed_blocks(1, toks(5, 50))
+    assert m.allocate_slots(1, toks(5, 50), 0, 5, hits, admission=True) is None
+    assert m.allocate_slots(0, toks(9), 8, 1) == [0, 1, 2]   # a running one may use it
+    m.restore(before)
+    assert m.snapshot().pool == before.pool and m.get_block_table(0) == [0, 1]
+    with pytest.raises(ValueError, match="num_new_tokens"):
+        m.allocate_slots(0, toks(9), 8, 0)
+    with pytest.raises(ValueError, match="tokens to hold"):
+        m.allocate_slots(0, toks(9), 8, 5)
+    m.check_invariants()
+
+
+def test_a_salt_changes_the_first_hash_only_and_separates_namespaces():
+    m = KVCacheManager(BS, 16)
+    admit(m, 0, toks(9), salt="alice")
+    assert admit(m, 1, toks(9), salt="bob") == 0
+    assert admit(m, 2, toks(9), salt="alice") == 8
+    a, b = m.req_to_block_hashes[0], m.req_to_block_hashes[1]
+    assert a[0] != b[0] and a[1] != b[1]               # the chain carries the salt on
+
+
+def test_reset_prefix_cache_only_when_idle_and_invariants_catch_corruption():
+    m = KVCacheManager(BS, 8)
+    admit(m, 0, toks(9))
+    assert not m.reset_prefix_cache()
+    m.forget(0)
+    assert m.reset_prefix_cache() and not m.block_pool.cached_block_hash_to_block
+    admit(m, 1, toks(9))
+    m.check_invariants()
+    m.block_pool.blocks[m.get_block_table(1)[0]].ref_cnt += 1
+    with pytest.raises(AssertionError, match="ref counts != tables"):
+        m.check_invariants()
+    with pytest.raises(ValueError, match="not held that many times"):
+        BlockPool(2).free_blocks([BlockPool(2).blocks[0]])
+
+
+# ------------------------------------------------------------------- stateful test
+class KVCacheManagerMachine(RuleBasedStateMachine):
+    """Random admissions, chunks, decodes, frees and resets; a model of the physical cache
+    in which each slot records the whole prefix it was computed after: a hit must read the
+    right prefix (sha256 is trusted, so this also checks the chain)."""
+
+    @initialize(num_blocks=st.integers(2, 24), caching=st.booleans(),
+                watermark=st.sampled_from([0.0, 0.2]))
+    def setup(self, num_blocks, caching, watermark):
+        self.m = KVCacheManager(BS, num_blocks, caching, watermark)
+        self.seqs: dict[int, list] = {}            # seq_id -> [tokens, num_computed]
+        self.kv: dict[int, list] = {b: [None] * BS for b in range(num_blocks)}
+        self.next_id = 0
+
+    def write(self, seq_id: int, start: int, end: int) -> None:
+        tokens = self.seqs[seq_id][0]
+        table = self.m.get_block_table(seq_id)
+        for p in range(start, end):
+            self.kv[table[p // BS]][p % BS] = tuple(tokens[:p + 1])
+
+    def read_ok(self, seq_id: int, upto: int) -> bool:
+        tokens = self.seqs[seq_id][0]
+        table = self.m.get_block_table(seq_id)
+        return all(self.kv[table[p // BS]][p % BS] == tuple(tokens[:p + 1])
+                   for p in range(upto))
+
+    @rule(prefix=st.sampled_from([(1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9), (5,) * 8]),
+          cut=st.integers(0, 8), suffix=st.lists(st.integers(0, 3), max_size=6),
+          chunk=st.integers(1, 12))
+    def admit(self, prefix, cut, suffix, chunk):
+        tokens = list(prefix[:cut]) + suffix
+        if not tokens:
+            return
+        seq_id, before = self.next_id, self.m.snapshot()
+        self.next_id += 1
+        hits, num_hit = self.m.get_computed_blocks(seq_id, tokens)
+        num_new = min(chunk, len(tokens) - num_hit)
+        ids = self.m.allocate_slots(seq_id, tokens, 0, num_new, hits, admission=True)
+        if ids is None:
+            self.m.forget(seq_id)
+            assert self.m.snapshot().pool == before.pool, "a refused allocation changed state"
+            return
+        self.seqs[seq_id] = [tokens, num_hit]
+        assert self.read_ok(seq_id, num_hit), "a hit reads another prefix"
+        self.write(seq_id, num_hit, num_hit + num_new)
+        self.seqs[seq_id][1] += num_new
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), chunk=st.integers(1, 6), new=st.integers(0, 3))
+    def step(self, data, chunk, new):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens, done = self.seqs[seq_id]
+        if done == len(tokens):
+            tokens.append(new)                      # a decoded token joins the sequence
+        num_new = min(chunk, len(tokens) - done)
+        if self.m.allocate_slots(seq_id, tokens, done, num_new) is None:
+            return
+        self.write(seq_id, done, done + num_new)
+        self.seqs[seq_id][1] += num_new
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.m.forget(seq_id)
+        del self.seqs[seq_id]
+
+    @rule()
+    def reset(self):
+        assert self.m.reset_prefix_cache() == (not self.seqs)
+
+    @invariant()
+    def consistent(self):
+        self.m.check_invariants()
+        held = {b for s in self.seqs for b in self.m.get_block_table(s)}
+        assert self.m.num_free_gpu_blocks == self.m.num_gpu_blocks - len(held)
+
+
+TestKVCacheManagerStateful = KVCacheManagerMachine.TestCase
+TestKVCacheManagerStateful.settings = settings(max_examples=80, stateful_step_count=40)
