@@ -19,3 +19,9 @@ def test_chaos_bench_runs_quick_and_leaks_nothing():
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert "faults injected:" in out and "bad inputs refused:" in out
     assert "blocks leaked: 0 (clean run: 0)" in out
+
+
+def test_prefix_caches_bench_runs_quick():
+    out = subprocess.run([sys.executable, "bench/prefix_caches.py", "--quick"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.count("SGLang radix, page 1") == 4 and out.count("vLLM V1 (sha256 chain)") == 4

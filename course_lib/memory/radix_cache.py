@@ -1,0 +1,260 @@
+"""SGLang's prefix cache: a radix tree over token ids (RadixAttention), pure Python.
+
+SGLang (``python/sglang/srt/mem_cache/radix_cache.py`` in SGLang 0.5.23) keeps no block hashes:
+it keeps every cached prefix in a radix tree whose edges are runs of token ids and whose values
+are the KV-cache slots of those tokens (one slot per token when ``page_size`` is 1, whole pages
+otherwise). Where vLLM finds a prefix by hashing block after block and looking each hash up,
+SGLang walks the tree from the root; where vLLM can only share whole blocks, a radix tree at
+page size 1 shares any prefix, token by token.
+
+* :meth:`RadixCache.match_prefix`: the slots of the longest cached prefix, and its last node;
+  a match that ends inside an edge splits it, so that the boundary is a node.
+* :meth:`RadixCache.insert`: add a request's tokens and slots; returns how many leading tokens
+  were cached already (their slots in the request are duplicates: the caller frees them).
+* ``inc_lock_ref`` / ``dec_lock_ref``: a running request locks the path to its last node, so
+  that nothing it reads is evicted; ``evictable_size`` and ``protected_size`` count tokens.
+* :meth:`RadixCache.evict`: free tokens by removing unlocked leaves, least recently used first
+  (a parent that becomes an unlocked leaf joins the candidates).
+* A namespace (``extra_key``: a LoRA id, a cache salt) is part of every child key, so equal
+  tokens under different namespaces never share nodes.
+
+The slots come from :class:`SlotPool`, a free list of token slots standing in for SGLang's
+``TokenToKVPoolAllocator``. Time is a logical clock (a counter), so eviction order is
+reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+
+class SlotPool:
+    """Token slots ``0 .. num_slots-1`` of the KV cache: a free list, O(1) per slot."""
+
+    def __init__(self, num_slots: int) -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._is_free = bytearray([1]) * num_slots
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        for s in out:
+            self._is_free[s] = 0
+        return out
+
+    def free(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            if not 0 <= s < self.num_slots or self._is_free[s]:
+                raise ValueError(f"slot {s} is not allocated (double free?)")
+        for s in slots:
+            self._is_free[s] = 1
+            self._free.append(s)
+
+
+class TreeNode:
+    """An edge of the tree (``key``: its tokens) and the node it leads to."""
+
+    __slots__ = ("children", "parent", "key", "value", "extra_key", "lock_ref",
+                 "last_access_time")
+
+    def __init__(self, key: tuple = (), value: list[int] | None = None,
+                 parent: TreeNode | None = None, extra_key: Hashable = None) -> None:
+        self.children: dict[Hashable, TreeNode] = {}
+        self.parent = parent
+        self.key = key                    # token ids of the edge into this node
+        self.value = value or []          # their KV slots, one per token
+        self.extra_key = extra_key        # its namespace
+        self.lock_ref = 0
+        self.last_access_time = 0
+
+
+class RadixCache:
+    """A radix tree of cached prefixes over a :class:`SlotPool` (see the module docstring)."""
+
+    def __init__(self, num_slots: int, page_size: int = 1) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self.pool = SlotPool(num_slots)
+        self.root = TreeNode()
+        self.root.lock_ref = 1            # never evicted
+        self.evictable_size_ = 0          # tokens in unlocked nodes
+        self.protected_size_ = 0          # tokens in locked nodes
+        self.evictable_leaves: set[TreeNode] = set()
+        self._clock = 0
+
+    # ------------------------------------------------------------------------- keys
+    def _child_key(self, tokens: Sequence[int], extra_key: Hashable) -> Hashable:
+        first = tokens[0] if self.page_size == 1 else tuple(tokens[:self.page_size])
+        return first if extra_key is None else (extra_key, first)
+
+    def _match_len(self, key: Sequence[int], tokens: Sequence[int]) -> int:
+        """Common prefix length of two token runs, in whole pages."""
+        n, limit = 0, min(len(key), len(tokens))
+        while n < limit and key[n] == tokens[n]:
+            n += 1
+        return n - n % self.page_size
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # ---------------------------------------------------------------- match, insert
+    def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None
+                     ) -> tuple[list[int], TreeNode]:
+        """The slots of the longest cached prefix of ``token_ids`` (whole pages) and the node
+        where it ends (split there if it ends inside an edge)."""
+        tokens = tuple(token_ids[:len(token_ids) - len(token_ids) % self.page_size])
+        node, value, now = self.root, [], self._tick()
+        node.last_access_time = now
+        while tokens:
+            child = node.children.get(self._child_key(tokens, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, tokens)
+            if n < len(child.key):
+                if n:
+                    node = self._split_node(child, n, extra_key)
+                    value += node.value
+                break
+            value += child.value
+            node, tokens = child, tokens[n:]
+        return value, node
+
+    def _split_node(self, child: TreeNode, n: int, extra_key: Hashable) -> TreeNode:
+        """Cut ``child``'s edge after ``n`` tokens: a new node holds the first part."""
+        new = TreeNode(child.key[:n], child.value[:n], child.parent, extra_key)
+        new.lock_ref, new.last_access_time = child.lock_ref, child.last_access_time
+        child.parent.children[self._child_key(child.key, extra_key)] = new
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], new
+        new.children[self._child_key(child.key, extra_key)] = child
+        return new
+
+    def insert(self, token_ids: Sequence[int], value: Sequence[int],
+               extra_key: Hashable = None) -> int:
+        """Cache ``token_ids`` with their slots ``value`` (whole pages). Returns how many
+        leading tokens were cached already: the caller's slots for those are duplicates,
+        for it to free (the tree keeps its own)."""
+        if len(value) != len(token_ids):
+            raise ValueError(f"one slot per token: {len(token_ids)} tokens, {len(value)} slots")
+        n_pages = len(token_ids) - len(token_ids) % self.page_size
+        tokens, value = tuple(token_ids[:n_pages]), list(value[:n_pages])
+        node, done, now = self.root, 0, self._tick()
+        while tokens:
+            child = node.children.get(self._child_key(tokens, extra_key))
+            if child is None:
+                new = TreeNode(tokens, value, node, extra_key)
+                new.last_access_time = now
+                node.children[self._child_key(tokens, extra_key)] = new
+                self.evictable_size_ += len(tokens)
+                self._update_leaf_status(node)
+                self._update_leaf_status(new)
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, tokens)
+            if n < len(child.key):
+                child = self._split_node(child, n, extra_key)
+            done += n
+            node, tokens, value = child, tokens[n:], value[n:]
+        return done
+
+    # ------------------------------------------------------------- locks, eviction
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """A request now reads the path root..node: none of it may be evicted."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            self._update_leaf_status(node)
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref < 1:
+                raise ValueError("dec_lock_ref on a node that is not locked")
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+            node.lock_ref -= 1
+            self._update_leaf_status(node)
+            node = node.parent
+
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        if node is not self.root and node.lock_ref == 0 and not node.children:
+            self.evictable_leaves.add(node)
+        else:
+            self.evictable_leaves.discard(node)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots (if possible) by removing unlocked leaves, least
+        recently used first; returns the tokens freed."""
+        freed = 0
+        while freed < num_tokens and self.evictable_leaves:
+            leaf = min(self.evictable_leaves, key=lambda n: (n.last_access_time, id(n)))
+            self.pool.free(leaf.value)
+            freed += len(leaf.value)
+            parent = leaf.parent
+            del parent.children[next(k for k, c in parent.children.items() if c is leaf)]
+            self.evictable_leaves.discard(leaf)
+            self.evictable_size_ -= len(leaf.key)
+            self._update_leaf_status(parent)
+        return freed
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` slots, evicting cached tokens if the pool is short; None if even that fails."""
+        if self.pool.available_size() < n:
+            self.evict(n - self.pool.available_size())
+        return self.pool.alloc(n)
+
+    # ----------------------------------------------------------------- sizes, checks
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def nodes(self) -> list[TreeNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack += node.children.values()
+        return out
+
+    def total_size(self) -> int:
+        return sum(len(n.key) for n in self.nodes())
+
+    def metadata_bytes(self) -> int:
+        """Python-object bytes the tree holds besides the KV cache (``sys.getsizeof``)."""
+        import sys
+
+        return sum(sys.getsizeof(n) + sys.getsizeof(n.children) + sys.getsizeof(n.key)
+                   + sys.getsizeof(n.value) for n in self.nodes())
+
+    def check_invariants(self) -> None:
+        """One slot per token, each slot in one place; sizes and leaves as counted; a child
+        sits under its own first token; a locked node's parent is locked too."""
+        nodes = self.nodes()
+        slots = [s for n in nodes for s in n.value]
+        assert len(slots) == len(set(slots)), "a slot is in the tree twice"
+        assert not set(slots) & set(self.pool._free), "a cached slot is on the free list"
+        assert all(len(n.key) == len(n.value) and n.key for n in nodes), "bad edge"
+        assert all(len(n.key) % self.page_size == 0 for n in nodes), "edge not in whole pages"
+        assert self.evictable_size_ == sum(len(n.key) for n in nodes if n.lock_ref == 0)
+        assert self.protected_size_ == sum(len(n.key) for n in nodes if n.lock_ref > 0)
+        leaves = {n for n in nodes if not n.children and n.lock_ref == 0}
+        assert self.evictable_leaves == leaves, "evictable leaves out of date"
+        for n in nodes:
+            assert n.parent.children.get(self._child_key(n.key, n.extra_key)) is n, \
+                "child under a wrong key"
+            assert n.parent is self.root or n.parent.lock_ref >= n.lock_ref, \
+                "a locked node under an unlocked parent"
