@@ -24,4 +24,4 @@ def test_chaos_bench_runs_quick_and_leaks_nothing():
 def test_prefix_caches_bench_runs_quick():
     out = subprocess.run([sys.executable, "bench/prefix_caches.py", "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    assert out.count("SGLang radix, page 1") == 4 and out.count("vLLM V1 (sha256 chain)") == 4
+    assert out.count("SGLang radix, page 16") == 4 and out.count("vLLM V1 (sha256 chain)") == 4
