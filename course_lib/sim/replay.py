@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..capacity import ModelSpec, get_preset, kv_bytes_per_token
 from ..config import CacheConfig, SchedulerConfig
-from ..scheduler import Scheduler, SchedulerOutput, VictimPolicy, last_arrived_first
+from ..scheduler import Scheduler, SchedulerOutput, SchedulerV1, VictimPolicy, last_arrived_first
 from ..scheduler.metrics import Metrics
 from ..sequence import Request, SamplingParams
 from .fake_sampler import fake_samples
@@ -120,6 +120,7 @@ class StepRecord:
     num_preempted: int
     batch: tuple[tuple[int, int, bool], ...] = ()   # (request_id, tokens, is_prefill) if kept
     preempted: tuple[tuple[int, str], ...] = ()
+    sharing_saving: float = 0.0   # 1 - held blocks / block-table entries (shared blocks)
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -207,8 +208,13 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
            victim_policy: VictimPolicy = last_arrived_first, progress: bool = False,
            record_batches: bool = False, with_metrics: bool = False,
            on_metrics: Callable[[Metrics], object] | None = None,
-           check_invariants: bool = False, max_steps: int = 10_000_000) -> ReplayResult:
+           check_invariants: bool = False, max_steps: int = 10_000_000,
+           design: str = "v0") -> ReplayResult:
     """Run every request of ``trace`` to completion; time advances by the cost model.
+
+    ``design``: ``"v0"`` (the paper's / vLLM V0's scheduler and block manager) or ``"v1"``
+    (vLLM V1's scheduler and ``KVCacheManager``; no swap, no beam search; its ``running`` and
+    ``waiting`` count sequences, as V1's child requests). ``victim_policy`` applies to V0.
 
     ``record_batches`` keeps each step's batch (for the timeline widget; memory grows with
     the trace). ``with_metrics`` keeps a :class:`Metrics` (vLLM's Prometheus names) updated
@@ -217,7 +223,10 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
     checks the scheduler and the block manager after every call (slow; for tests).
     """
     cost = cost_model or CostModel()
-    sched = Scheduler(scheduler_config, cache_config, victim_policy)
+    if design not in ("v0", "v1"):
+        raise ValueError(f"design must be 'v0' or 'v1', got {design!r}")
+    sched = Scheduler(scheduler_config, cache_config, victim_policy) if design == "v0" \
+        else SchedulerV1(scheduler_config, cache_config)
     metrics = Metrics(sched) if with_metrics or on_metrics else None
     if on_metrics is not None:
         on_metrics(metrics)
@@ -261,7 +270,7 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
             usage.block_usage, usage.token_usage,
             len(out.preempted),
             tuple((e.request.request_id, e.num_tokens, e.is_prefill) for e in out.scheduled)
-            if record_batches else (), tuple(out.preempted)))
+            if record_batches else (), tuple(out.preempted), usage.sharing_saving))
         if metrics is not None:
             metrics.update(sched)
             metrics.observe_finished(finished)
