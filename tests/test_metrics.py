@@ -24,6 +24,7 @@ def run(s: Scheduler, metrics: Metrics, steps: int | None = None) -> None:
         t += 1
         finished = s.update(out, samples, now=0.5 * t)
         metrics.update(s)
+        metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], 0.5 * t)
         metrics.observe_finished(finished)
 
 
@@ -61,7 +62,8 @@ def test_counters_accumulate_and_histograms_count_requests():
     assert m.value("vllm:generation_tokens_total") == s.num_generated_tokens == 6 * 20
     assert m.value("vllm:prompt_tokens_total") == s.num_prompt_tokens >= 6 * 12  # + recomputed
     assert m.value("vllm:time_to_first_token_seconds_count") == 6
-    assert m.value("vllm:time_per_output_token_seconds_count") == 6
+    # V0 observed its time per output token per generated token (an inter-token latency)
+    assert m.value("vllm:time_per_output_token_seconds_count") == 6 * 19
     assert m.value("vllm:gpu_cache_usage_perc") == 0.0                 # all done
 
 
@@ -103,3 +105,28 @@ def test_scrape_over_http_and_parse():
     assert len(info) == 1 and dict(info[0])["num_gpu_blocks"] == "16"
     assert dict(info[0])["block_size"] == "4"
     assert samples[("vllm:num_preemptions_total", label)] > 0
+
+
+def test_the_v1_design_exports_v1s_names_and_no_created_series():
+    """vLLM 0.33.0's names (vllm/v1/metrics/loggers.py): kv_cache_usage_perc, per-token
+    inter_token_latency, per-request request_time_per_output_token; no swap, no V0 names."""
+    from course_lib.scheduler import SchedulerV1
+
+    s = SchedulerV1(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64),
+                    CacheConfig(block_size=4, num_gpu_blocks=16, watermark=0.0,
+                                enable_prefix_caching=True))
+    m = Metrics(s)
+    for i in range(4):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=10), arrival_time=0.0)
+    run(s, m)
+    names = {x.name for f in m.registry.collect() for x in f.samples}
+    assert {"vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_count",
+            "vllm:request_time_per_output_token_seconds_count"} <= names
+    assert not names & {"vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc",
+                        "vllm:num_requests_swapped", "vllm:time_per_output_token_seconds_count"}
+    assert not any(n.endswith("_created") for n in names)
+    assert m.value("vllm:inter_token_latency_seconds_count") == 4 * 9
+    assert m.value("vllm:request_time_per_output_token_seconds_count") == 4
+    assert m.value("vllm:prefix_cache_hits_total") > 0
+    with pytest.raises(ValueError, match="design"):
+        Metrics(s, design="v2")

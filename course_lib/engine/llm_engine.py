@@ -241,9 +241,11 @@ class LLMEngine:
                     samples[e.seq.seq_id] = self._sample_twice(e, logits[e.seq.seq_id])
                 except Exception as exc:          # this request's sampling: it alone failed
                     raise RequestFailed(rid, exc) from exc
-        finished = sched.update(out, samples, self.now())
+        now = self.now()
+        finished = sched.update(out, samples, now)
         self.num_steps += 1
         self.metrics.update(sched)
+        self.metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]

@@ -1,22 +1,37 @@
-"""Prometheus metrics of the scheduler and the KV cache, with vLLM's names.
+"""Prometheus metrics of the scheduler and the KV cache, with vLLM's names for each design.
 
 One :class:`Metrics` per engine, each with its own ``CollectorRegistry`` (never the global
 default one), so that two engines -- or two tests -- never collide. The engine (or the
-simulator) calls :meth:`Metrics.update` after each step and :meth:`Metrics.observe_finished`
-for the requests that finished; :func:`serve_metrics` exposes ``/metrics`` over HTTP on
-127.0.0.1 for ``curl`` or a Prometheus server.
+simulator) calls :meth:`Metrics.update` after each step, :meth:`Metrics.observe_step` with the
+requests that got a token in it, and :meth:`Metrics.observe_finished` for the requests that
+finished; :func:`serve_metrics` exposes ``/metrics`` over HTTP on 127.0.0.1 for ``curl`` or a
+Prometheus server.
 
-Names as vLLM exports them (``vllm/engine/metrics.py``, ``vllm/v1/metrics/loggers.py``):
+The names follow the design the engine runs. For both:
 
-    vllm:num_requests_running / _waiting / _swapped      gauges
-    vllm:gpu_cache_usage_perc / vllm:cpu_cache_usage_perc gauges, 0..1 (held blocks / total)
-    vllm:num_preemptions_total                            counter
-    vllm:prefix_cache_queries_total / _hits_total         counters, in tokens
+    vllm:num_requests_running / _waiting                   gauges
+    vllm:num_preemptions_total                             counter
+    vllm:prefix_cache_queries_total / _hits_total          counters, in tokens
     vllm:prompt_tokens_total / vllm:generation_tokens_total counters
-    vllm:cache_config_info                                gauge = 1, the config in labels
-    vllm:time_to_first_token_seconds                      histogram
-    vllm:time_per_output_token_seconds                    histogram (v1: inter_token_latency)
-    vllm:e2e_request_latency_seconds                      histogram
+    vllm:cache_config_info                                 gauge = 1, the config in labels
+    vllm:time_to_first_token_seconds                       histogram, per request
+    vllm:e2e_request_latency_seconds                       histogram, per request
+
+The paper's / vLLM V0's design (V0's ``vllm/engine/metrics.py``, removed from vLLM since):
+
+    vllm:num_requests_swapped                              gauge
+    vllm:gpu_cache_usage_perc / vllm:cpu_cache_usage_perc  gauges, 0..1 (held blocks / total)
+    vllm:time_per_output_token_seconds                     histogram, per generated token
+
+vLLM V1 (``vllm/v1/metrics/loggers.py`` in vLLM 0.33.0; no swap, so no swapped requests and
+no CPU usage; ``gpu_cache_usage_perc`` is gone, renamed):
+
+    vllm:kv_cache_usage_perc                               gauge, 0..1
+    vllm:inter_token_latency_seconds                       histogram, per generated token
+    vllm:request_time_per_output_token_seconds             histogram, per request
+
+prometheus_client adds a ``*_created`` timestamp beside every counter and histogram; they are
+not vLLM metrics, and the course turns them off so that ``/metrics`` shows vLLM's names only.
 """
 
 from __future__ import annotations
@@ -24,10 +39,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from ..sequence import Request
 from .scheduler import Scheduler
+from .v1 import SchedulerV1
+
+disable_created_metrics()
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0)
@@ -36,12 +61,18 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class Metrics:
-    """The collectors of one engine, in ``self.registry``."""
+    """The collectors of one engine, in ``self.registry``; ``design`` ("v0" or "v1") picks the
+    names (by default the scheduler's design)."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str = "course-model") -> None:
+    def __init__(self, scheduler: Scheduler | SchedulerV1, model_name: str = "course-model",
+                 design: str | None = None) -> None:
+        self.design = design or ("v1" if isinstance(scheduler, SchedulerV1) else "v0")
+        if self.design not in ("v0", "v1"):
+            raise ValueError(f"design must be 'v0' or 'v1', got {self.design!r}")
         self.registry = reg = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
+        v0 = self.design == "v0"
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=reg)
@@ -49,16 +80,23 @@ class Metrics:
         def counter(name: str, doc: str) -> Counter:   # exposed with a _total suffix
             return Counter(name, doc, labels, registry=reg)
 
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
         self.num_requests_running = gauge("vllm:num_requests_running",
                                           "Number of requests in the running batch.")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting",
                                           "Number of requests waiting to be processed.")
-        self.num_requests_swapped = gauge("vllm:num_requests_swapped",
-                                          "Number of requests swapped to CPU.")
-        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
-                                     "GPU KV-cache usage. 1 means 100 percent usage.")
-        self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc",
-                                     "CPU KV-cache usage. 1 means 100 percent usage.")
+        if v0:
+            self.num_requests_swapped = gauge("vllm:num_requests_swapped",
+                                              "Number of requests swapped to CPU.")
+            self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
+                                         "GPU KV-cache usage. 1 means 100 percent usage.")
+            self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc",
+                                         "CPU KV-cache usage. 1 means 100 percent usage.")
+        else:
+            self.gpu_cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                         "KV-cache usage. 1 means 100 percent usage.")
         self.num_preemptions = counter("vllm:num_preemptions",
                                        "Cumulative number of preemptions.")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
@@ -68,34 +106,41 @@ class Metrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", labels,
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.", labels,
-                              buckets=TPOT_BUCKETS, registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of end to end request latency in seconds.", labels,
-                             buckets=E2E_BUCKETS, registry=reg)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        if v0:
+            self.itl = histogram("vllm:time_per_output_token_seconds",
+                                 "Histogram of time per output token in seconds.", TPOT_BUCKETS)
+            self.request_tpot = None
+        else:
+            self.itl = histogram("vllm:inter_token_latency_seconds",
+                                 "Histogram of inter-token latency in seconds.", TPOT_BUCKETS)
+            self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                          "Histogram of time_per_output_token_seconds per "
+                                          "request.", TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", E2E_BUCKETS)
         cc = scheduler.cache_config
         info = {"block_size": cc.block_size, "num_gpu_blocks": cc.num_gpu_blocks,
-                "num_cpu_blocks": cc.num_cpu_blocks, "watermark": cc.watermark,
-                "enable_prefix_caching": cc.enable_prefix_caching}
+                "num_cpu_blocks": cc.num_cpu_blocks if v0 else 0,
+                "watermark": cc.watermark, "enable_prefix_caching": cc.enable_prefix_caching}
         cache_info = Gauge("vllm:cache_config_info", "Information of the KV-cache config.",
                            list(info), registry=reg)
         cache_info.labels(**{k: str(v) for k, v in info.items()}).set(1)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "generation": 0}
+        self._last_token_time: dict[int, float] = {}     # id(request) -> its last token's time
         self.update(scheduler)
 
-    def update(self, scheduler: Scheduler) -> None:
+    def update(self, scheduler: Scheduler | SchedulerV1) -> None:
         """Read the scheduler's queues and counters and the block manager's pools (after a
         step): the engine and the model-free replay feed the metrics the same way."""
         m, bm = self.model_name, scheduler.block_manager
         self.num_requests_running.labels(m).set(len(scheduler.running))
         self.num_requests_waiting.labels(m).set(len(scheduler.waiting))
-        self.num_requests_swapped.labels(m).set(len(scheduler.swapped))
         self.gpu_cache_usage.labels(m).set(bm.usage("gpu").block_usage)
-        self.cpu_cache_usage.labels(m).set(bm.usage("cpu").block_usage)
+        if self.design == "v0":
+            self.num_requests_swapped.labels(m).set(len(scheduler.swapped))
+            self.cpu_cache_usage.labels(m).set(bm.usage("cpu").block_usage)
         stats = bm.prefix_cache_stats
         for key, now, counter in (("preemptions", scheduler.num_preemptions,
                                    self.num_preemptions),
@@ -108,17 +153,29 @@ class Metrics:
                 counter.labels(m).inc(now - self._seen[key])
                 self._seen[key] = now
 
+    def observe_step(self, requests: Iterable[Request], now: float) -> None:
+        """The requests that got a token in the step that ended at ``now``: each token after
+        a request's first is an inter-token latency (what a streaming client waits)."""
+        m = self.model_name
+        for req in {id(r): r for r in requests}.values():
+            last = self._last_token_time.get(id(req))
+            if last is not None:
+                self.itl.labels(m).observe(now - last)
+            self._last_token_time[id(req)] = now
+
     def observe_finished(self, requests: Iterable[Request]) -> None:
-        """TTFT, TPOT and end-to-end latency of finished requests (ignored ones are skipped)."""
+        """TTFT, end-to-end latency and (V1) time per output token of finished requests
+        (ignored ones are skipped)."""
         m = self.model_name
         for req in requests:
+            self._last_token_time.pop(id(req), None)
             if req.first_token_time is None or req.finished_time is None:
                 continue
             self.ttft.labels(m).observe(req.first_token_time - req.arrival_time)
             self.e2e.labels(m).observe(req.finished_time - req.arrival_time)
-            if req.num_output_tokens > 1:
-                self.tpot.labels(m).observe((req.finished_time - req.first_token_time)
-                                            / (req.num_output_tokens - 1))
+            if self.request_tpot is not None and req.num_output_tokens > 1:
+                self.request_tpot.labels(m).observe(
+                    (req.finished_time - req.first_token_time) / (req.num_output_tokens - 1))
 
     def value(self, name: str) -> float:
         """One sample's current value, e.g. ``value("vllm:num_preemptions_total")``."""

@@ -273,6 +273,7 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
             if record_batches else (), tuple(out.preempted), usage.sharing_saving))
         if metrics is not None:
             metrics.update(sched)
+            metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
             metrics.observe_finished(finished)
         bar.update(len(finished))
         if len(steps) >= max_steps:
