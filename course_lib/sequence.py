@@ -72,6 +72,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1                # parallel samples: n sequences forked from the prompt
     beam_width: int = 1       # > 1: beam search keeping that many beams
+    logprobs: int | None = None           # > 0: the top-k (token, logprob) of each step too
     stop_token_ids: tuple[int, ...] = ()  # a sample that draws one stops (the token is kept);
                                           # beam search ignores them and runs to max_tokens
 
@@ -91,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
         stops = token_ids_or_error(self.stop_token_ids, what="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", stops)     # any iterable in, a tuple kept
         if self.n > 1 and self.beam_width > 1:
@@ -184,6 +187,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
+    output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # top-k each
 
     @property
     def token_ids(self) -> list[int]:
@@ -212,7 +216,21 @@ class Sequence:
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         return Sequence(seq_id, self.prompt_token_ids, index, list(self.output_token_ids),
-                        self.status, self.num_computed_tokens, self.cumulative_logprob)
+                        self.status, self.num_computed_tokens, self.cumulative_logprob,
+                        list(self.output_logprobs))
+
+    def save(self) -> tuple:
+        """What a step may change, for :meth:`load` (a failed step is undone). The output
+        lists are only appended to, so their lengths are enough."""
+        return (self.status, self.num_computed_tokens, self.output_token_ids,
+                len(self.output_token_ids), self.output_logprobs, len(self.output_logprobs),
+                self.cumulative_logprob)
+
+    def load(self, state: tuple) -> None:
+        (self.status, self.num_computed_tokens, outs, n, tops, k,
+         self.cumulative_logprob) = state
+        del outs[n:], tops[k:]
+        self.output_token_ids, self.output_logprobs = outs, tops
 
 
 @dataclass(eq=False)
@@ -263,6 +281,21 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return max((len(s.output_token_ids) for s in self.seqs), default=0)
+
+    def save(self) -> tuple:
+        """What a step may change in the request and its sequences, for :meth:`load`."""
+        return (list(self.seqs), [(s, s.save()) for s in self.seqs], self.first_scheduled_time,
+                self.first_token_time, self.finished_time, self.finish_reason,
+                self.finish_detail, self.num_preemptions, self.num_cached_tokens)
+
+    def load(self, state: tuple) -> None:
+        seqs, saved, *fields = state
+        self.seqs = list(seqs)
+        for seq, seq_state in saved:
+            seq.load(seq_state)
+        (self.first_scheduled_time, self.first_token_time, self.finished_time,
+         self.finish_reason, self.finish_detail, self.num_preemptions,
+         self.num_cached_tokens) = fields
 
     def ordered_seqs(self) -> list[Sequence]:
         """The sequences to report: by sample index, or the kept beams, best first."""

@@ -283,3 +283,27 @@ def test_v1_design_gives_the_contiguous_tokens_and_v0s_samples(model, reference,
         v1.add_request("x", SamplingParams(beam_width=2))
     with pytest.raises(ValueError, match="design must be one of"):
         make_engine(model, design="v2")
+
+
+def test_logprobs_give_each_steps_top_k_and_beam_search_runs_outside_the_core(model) -> None:
+    """vLLM V1 runs beam search as a loop over the engine (one token per beam per step, with
+    logprobs = 2 x width): over the V1 design it finds the V0 scheduler's beams exactly, and
+    the beams' common prefixes come from the prefix cache."""
+    from course_lib.engine.beam_search import beam_search
+
+    eng = make_engine(model, block_size=4, prefix=True, design="v1")
+    out = eng.generate("And God said", SamplingParams(max_tokens=3, temperature=0.0,
+                                                      logprobs=4))[0].outputs[0]
+    assert len(out.logprobs) == 3 and all(len(step) == 4 for step in out.logprobs)
+    assert [step[0][0] for step in out.logprobs] == out.token_ids        # greedy = the top
+    assert all(step[i][1] >= step[i + 1][1] for step in out.logprobs for i in range(3))
+    in_core = make_engine(model, block_size=4).generate(
+        "And God said", SamplingParams(max_tokens=10, beam_width=3))[0].outputs
+    outside = beam_search(eng, "And God said", 3, 10, ignore_eos=True)
+    assert [b.tokens for b in outside] == [c.token_ids for c in in_core]
+    assert [round(b.cum_logprob, 4) for b in outside] == \
+        [round(c.cumulative_logprob, 4) for c in in_core]
+    assert eng.block_manager.prefix_cache_stats.hits > 0
+    assert_all_blocks_back(eng)
+    with pytest.raises(ValueError, match="logprobs with beam_width"):
+        make_engine(model).add_request("x", SamplingParams(beam_width=2, logprobs=2))

@@ -67,6 +67,7 @@ class CompletionOutput:
     text: str
     cumulative_logprob: float
     finish_reason: str | None  # "stop" (EOS or a stop token), "length", "abort", "ignored"
+    logprobs: list[list[tuple[int, float]]] | None = None   # per token: the top-k, best first
 
 
 @dataclass
@@ -176,6 +177,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.use_beam_search:
+            raise ValueError("logprobs with beam_width > 1: the beams' scores are their "
+                             "cumulative logprobs already; ask for logprobs without beams")
         extra = tuple(t for t in sorted(self.stop_token_ids) if t not in params.stop_token_ids)
         if extra:                              # the engine's stop tokens (EOS) join the request's
             params = replace(params, stop_token_ids=params.stop_token_ids + extra)
@@ -241,14 +245,43 @@ class LLMEngine:
                     samples[e.seq.seq_id] = self._sample_twice(e, logits[e.seq.seq_id])
                 except Exception as exc:          # this request's sampling: it alone failed
                     raise RequestFailed(rid, exc) from exc
+        tops = self._top_logprobs(out, logits)
         now = self.now()
         finished = sched.update(out, samples, now)
+        self._attach_logprobs(out, tops)
         self.num_steps += 1
         self.metrics.update(sched)
         self.metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]
+
+    @staticmethod
+    def _top_logprobs(out: SchedulerOutput, logits) -> dict[int, list[tuple[int, float]]]:
+        """The top-k (token, logprob) at each sampled position of a request that asked for
+        ``logprobs=k`` (vLLM's name), best first (log_softmax of the model's logits)."""
+        import torch
+
+        tops = {}
+        for e in out.scheduled:
+            k = e.request.sampling_params.logprobs
+            if e.num_candidates and k:
+                lp = torch.log_softmax(logits[e.seq.seq_id].float(), dim=-1)
+                top = torch.topk(lp, min(k, lp.numel()))
+                tops[e.seq.seq_id] = [(int(t), float(v)) for v, t in
+                                      zip(top.values, top.indices, strict=True)]
+        return tops
+
+    @staticmethod
+    def _attach_logprobs(out: SchedulerOutput, tops: dict[int, list]) -> None:
+        """Give each sequence that got a token its position's top-k; samples forked from a
+        prompt in this step share the prompt's (one position, one distribution)."""
+        for e in out.scheduled:
+            if e.seq.seq_id not in tops:
+                continue
+            for seq in e.request.seqs:
+                if len(seq.output_logprobs) < len(seq.output_token_ids):
+                    seq.output_logprobs.append(tops.get(seq.seq_id, tops[e.seq.seq_id]))
 
     def _sample_twice(self, entry: ScheduledSeq, logits) -> list[tuple[int, float]]:
         """Sample (a seeded, pure function of the logits); a failure is tried once more, so
@@ -317,7 +350,9 @@ class LLMEngine:
         outs = [CompletionOutput(i if req.sampling_params.use_beam_search else s.index,
                                  list(s.output_token_ids),
                                  self.tokenizer.decode(s.output_token_ids),
-                                 s.cumulative_logprob, s.status.finish_reason)
+                                 s.cumulative_logprob, s.status.finish_reason,
+                                 [list(t) for t in s.output_logprobs]
+                                 if req.sampling_params.logprobs is not None else None)
                 for i, s in enumerate(seqs)]
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         latency = None if req.finished_time is None else req.finished_time - req.arrival_time

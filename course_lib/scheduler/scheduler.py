@@ -323,13 +323,7 @@ class Scheduler:
         """Everything a step can change: the queues, the counters, each queued request's
         fields and sequences, and the block manager (see ``LLMEngine.step``). A sequence's
         output list is only ever appended to, so its length is enough to restore it."""
-        reqs = []
-        for req in (*self.waiting, *self.running, *self.swapped):
-            seqs = [(s, s.status, s.num_computed_tokens, s.output_token_ids,
-                     len(s.output_token_ids), s.cumulative_logprob) for s in req.seqs]
-            reqs.append((req, list(req.seqs), seqs, req.first_scheduled_time,
-                         req.first_token_time, req.finished_time, req.finish_reason,
-                         req.finish_detail, req.num_preemptions, req.num_cached_tokens))
+        reqs = [(req, req.save()) for req in (*self.waiting, *self.running, *self.swapped)]
         return SchedulerSnapshot(
             list(self.waiting), list(self.running), list(self.swapped),
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
@@ -342,13 +336,8 @@ class Scheduler:
         self.running, self.swapped = list(snap.running), list(snap.swapped)
         (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
          self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for (req, seq_list, seqs, req.first_scheduled_time, req.first_token_time,
-             req.finished_time, req.finish_reason, req.finish_detail, req.num_preemptions,
-             req.num_cached_tokens) in snap.requests:
-            req.seqs = list(seq_list)
-            for seq, seq.status, seq.num_computed_tokens, out, n, seq.cumulative_logprob in seqs:
-                del out[n:]
-                seq.output_token_ids = out
+        for req, state in snap.requests:
+            req.load(state)
         self.block_manager.restore(snap.block_manager)
 
     def check_invariants(self) -> None:

@@ -248,13 +248,8 @@ class SchedulerV1:
 
     # ------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> SchedulerV1Snapshot:
-        fields = []
-        for req in {id(r): r for r in self.requests.values()}.values():
-            seqs = [(s, s.status, s.num_computed_tokens, s.output_token_ids,
-                     len(s.output_token_ids), s.cumulative_logprob) for s in req.seqs]
-            fields.append((req, seqs, req.first_scheduled_time, req.first_token_time,
-                           req.finished_time, req.finish_reason, req.finish_detail,
-                           req.num_preemptions, req.num_cached_tokens))
+        fields = [(req, req.save())
+                  for req in {id(r): r for r in self.requests.values()}.values()]
         return SchedulerV1Snapshot(
             list(self.waiting), list(self.running), dict(self.requests),
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
@@ -266,14 +261,8 @@ class SchedulerV1:
         self.requests = dict(snap.requests)
         (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
          self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for req, seqs, *fields in snap.request_fields:
-            (req.first_scheduled_time, req.first_token_time, req.finished_time,
-             req.finish_reason, req.finish_detail, req.num_preemptions,
-             req.num_cached_tokens) = fields
-            for (seq, seq.status, seq.num_computed_tokens, outs, n,
-                 seq.cumulative_logprob) in seqs:
-                del outs[n:]
-                seq.output_token_ids = outs
+        for req, state in snap.request_fields:
+            req.load(state)
         self.kv_cache_manager.restore(snap.block_manager)
 
     def check_invariants(self) -> None:
