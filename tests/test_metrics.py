@@ -57,14 +57,28 @@ def test_counters_accumulate_and_histograms_count_requests():
     assert s.num_preemptions > 0
     assert m.value("vllm:num_preemptions_total") == s.num_preemptions
     stats = s.block_manager.prefix_cache_stats
-    assert m.value("vllm:prefix_cache_queries_total") == stats.queries > 0
-    assert m.value("vllm:prefix_cache_hits_total") == stats.hits > 0
+    assert stats.queries > 0 and stats.hits > 0
+    # V0 (0.6.3) exported a hit-rate gauge, not counters
+    assert m.value("vllm:gpu_prefix_cache_hit_rate") == pytest.approx(stats.hits / stats.queries)
+    with pytest.raises(ValueError, match="no sample"):
+        m.value("vllm:prefix_cache_hits_total")
     assert m.value("vllm:generation_tokens_total") == s.num_generated_tokens == 6 * 20
     assert m.value("vllm:prompt_tokens_total") == s.num_prompt_tokens >= 6 * 12  # + recomputed
     assert m.value("vllm:time_to_first_token_seconds_count") == 6
     # V0 observed its time per output token per generated token (an inter-token latency)
     assert m.value("vllm:time_per_output_token_seconds_count") == 6 * 19
     assert m.value("vllm:gpu_cache_usage_perc") == 0.0                 # all done
+
+
+def test_v0_hit_rate_is_minus_one_with_prefix_caching_off():
+    """0.6.3's naive allocator reported -1 ("not supported or disabled"), not 0."""
+    s = small_scheduler(caching=False)
+    m = Metrics(s)
+    for i in range(2):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=4), arrival_time=0.0)
+    run(s, m)
+    assert m.value("vllm:gpu_prefix_cache_hit_rate") == -1.0
+    assert Metrics(small_scheduler()).value("vllm:gpu_prefix_cache_hit_rate") == 0.0
 
 
 def test_two_engines_do_not_share_a_registry():
@@ -97,7 +111,7 @@ def test_scrape_over_http_and_parse():
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:num_requests_swapped", "vllm:gpu_cache_usage_perc",
                  "vllm:cpu_cache_usage_perc", "vllm:num_preemptions_total",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                 "vllm:gpu_prefix_cache_hit_rate"):
         assert samples[(name, label)] == m.value(name), name
     assert families["vllm:time_to_first_token_seconds"].type == "histogram"
     assert families["vllm:time_per_output_token_seconds"].type == "histogram"
@@ -127,6 +141,9 @@ def test_the_v1_design_exports_v1s_names_and_no_created_series():
     assert not any(n.endswith("_created") for n in names)
     assert m.value("vllm:inter_token_latency_seconds_count") == 4 * 9
     assert m.value("vllm:request_time_per_output_token_seconds_count") == 4
-    assert m.value("vllm:prefix_cache_hits_total") > 0
+    stats = s.block_manager.prefix_cache_stats
+    assert m.value("vllm:prefix_cache_hits_total") == stats.hits > 0
+    assert m.value("vllm:prefix_cache_queries_total") == stats.queries
+    assert "vllm:gpu_prefix_cache_hit_rate" not in names
     with pytest.raises(ValueError, match="design"):
         Metrics(s, design="v2")

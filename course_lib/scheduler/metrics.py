@@ -11,7 +11,6 @@ The names follow the design the engine runs. For both:
 
     vllm:num_requests_running / _waiting                   gauges
     vllm:num_preemptions_total                             counter
-    vllm:prefix_cache_queries_total / _hits_total          counters, in tokens
     vllm:prompt_tokens_total / vllm:generation_tokens_total counters
     vllm:cache_config_info                                 gauge = 1, the config in labels
     vllm:time_to_first_token_seconds                       histogram, per request
@@ -22,11 +21,18 @@ The paper's / vLLM V0's design (V0's ``vllm/engine/metrics.py``, removed from vL
     vllm:num_requests_swapped                              gauge
     vllm:gpu_cache_usage_perc / vllm:cpu_cache_usage_perc  gauges, 0..1 (held blocks / total)
     vllm:time_per_output_token_seconds                     histogram, per generated token
+    vllm:gpu_prefix_cache_hit_rate                         gauge, hits / queries so far
+                                                           (-1 with prefix caching off)
+
+V0 (0.6.3's ``vllm/core/block/common.py`` CacheMetricData) counted its queries per block
+lookup; the course counts them in prompt tokens, as V1 does, so both designs' rates agree.
 
 vLLM V1 (``vllm/v1/metrics/loggers.py`` in vLLM 0.33.0; no swap, so no swapped requests and
 no CPU usage; ``gpu_cache_usage_perc`` is gone, renamed):
 
     vllm:kv_cache_usage_perc                               gauge, 0..1
+    vllm:prefix_cache_queries_total / _hits_total          counters, in prompt tokens
+                                                           (a rate is a PromQL ratio)
     vllm:inter_token_latency_seconds                       histogram, per generated token
     vllm:request_time_per_output_token_seconds             histogram, per request
 
@@ -94,15 +100,18 @@ class Metrics:
                                          "GPU KV-cache usage. 1 means 100 percent usage.")
             self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc",
                                          "CPU KV-cache usage. 1 means 100 percent usage.")
+            self.prefix_cache_hit_rate = gauge("vllm:gpu_prefix_cache_hit_rate",
+                                               "GPU prefix cache block hit rate.")
+            self.prefix_cache_queries = self.prefix_cache_hits = None
         else:
             self.gpu_cache_usage = gauge("vllm:kv_cache_usage_perc",
                                          "KV-cache usage. 1 means 100 percent usage.")
+            self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                                "Prefix-cache queries, in prompt tokens.")
+            self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                             "Prefix-cache hits, in prompt tokens.")
         self.num_preemptions = counter("vllm:num_preemptions",
                                        "Cumulative number of preemptions.")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix-cache queries, in prompt tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Prefix-cache hits, in prompt tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
@@ -129,6 +138,7 @@ class Metrics:
         cache_info.labels(**{k: str(v) for k, v in info.items()}).set(1)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "generation": 0}
         self._last_token_time: dict[int, float] = {}     # id(request) -> its last token's time
+        self._prefix_caching = cc.enable_prefix_caching
         self.update(scheduler)
 
     def update(self, scheduler: Scheduler | SchedulerV1) -> None:
@@ -142,6 +152,10 @@ class Metrics:
             self.num_requests_swapped.labels(m).set(len(scheduler.swapped))
             self.cpu_cache_usage.labels(m).set(bm.usage("cpu").block_usage)
         stats = bm.prefix_cache_stats
+        if self.design == "v0":
+            rate = (-1.0 if not self._prefix_caching
+                    else stats.hits / stats.queries if stats.queries else 0.0)
+            self.prefix_cache_hit_rate.labels(m).set(rate)
         for key, now, counter in (("preemptions", scheduler.num_preemptions,
                                    self.num_preemptions),
                                   ("queries", stats.queries, self.prefix_cache_queries),
@@ -149,7 +163,7 @@ class Metrics:
                                   ("prompt", scheduler.num_prompt_tokens, self.prompt_tokens),
                                   ("generation", scheduler.num_generated_tokens,
                                    self.generation_tokens)):
-            if now > self._seen[key]:
+            if counter is not None and now > self._seen[key]:
                 counter.labels(m).inc(now - self._seen[key])
                 self._seen[key] = now
 
