@@ -16,6 +16,10 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
+# Total memory of one GPU as nvidia-smi reports it, in GiB: what vLLM's gpu_memory_utilization
+# multiplies (torch.cuda.mem_get_info's total). Marketing figures are decimal GB ("141 GB").
+H200_MEMORY_GIB = 143_771 / 1024          # H200 SXM: 143,771 MiB = 140.4 GiB
+
 
 def _check_int(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -187,7 +187,7 @@ def test_crossing_point_is_the_first_token_count_above_the_weights():
         assert (n - 1) * per_token <= spec.weight_bytes < n * per_token
     assert viz.weights_kv_crossing_tokens(cap.get_preset("llama-2-7b")) == 25_706
     # 13,476,831,232 B of weights / 524,288 B per token = 25,705.0006: the audit says the same
-    ratio = next(c for c in viz.seeds.audit() if c.key == "001-ratio")
+    ratio = next(c for c in viz.sources.audit() if c.key == "001-ratio")
     assert "From 25,706 tokens on" in ratio.explanation
 
 
@@ -236,14 +236,15 @@ def test_block_size_tradeoff_measures_waste_and_table_length():
         viz.block_size_tradeoff([], [16])
 
 
-# ---------------------------------------------------------------- the seed-claims table
+# ------------------------------------------------------- the source articles' claims table
 
 def test_claims_table_keeps_order_and_shows_both_values():
     table = viz.claims_table(["003-4.2-block", "000-1.2-per-token"])
     assert [c.key for c in table.rows] == ["003-4.2-block", "000-1.2-per-token"]
     text = str(table)
     assert text.index("003-4.2-block") < text.index("000-1.2-per-token")
-    assert "seed says 0.125 MiB, course computes 2 MiB" in text
+    assert "the article says 0.125 MiB, the course computes 2 MiB" in text
+    assert '"PagedAttention explained" §4.2' in text
     html = table._repr_html_()
     assert html.count("<tr>") == 3 and "WRONG" not in html and ">wrong<" in html
 

@@ -84,7 +84,7 @@ def test_seed_loop_is_wrong_and_both_fixes_are_right():
                                          b.seq_lens)[0]
     torch.testing.assert_close(walkthrough.two_pass_paged_attention(*args), want)
     torch.testing.assert_close(walkthrough.online_paged_attention(*args), want)
-    seed = walkthrough.seed_paged_attention(*args)
+    seed = walkthrough.article_paged_attention(*args)
     # softmax of a single score is 1: the seed's loop sums the values
     torch.testing.assert_close(seed, b.values[0].repeat_interleave(2, dim=1).sum(0))
     assert (seed - want).abs().max() > 1.0

@@ -14,8 +14,8 @@ V3 = cap.get_preset("deepseek-v3")
 L70 = cap.get_preset("llama-3-70b")
 
 
-def test_seed_case_52k_per_gpu_208k_with_cp4():
-    p = strategy.seed_case()
+def test_article_case_52k_per_gpu_208k_with_cp4():
+    p = strategy.article_case()
     assert (p.num_gpus, p.data_parallel_size) == (8, 1)
     assert p.block_bytes == 16 * 61 * 1152
     assert p.tokens_per_gpu == 3258 * 16 == 52_128
@@ -121,5 +121,5 @@ def test_figures_draw():
     assert len(fig.axes[0].patches) == 8 and len(fig.axes[0].texts) == 4 + 2 + 3
     with pytest.raises(ValueError, match="cp_size"):
         viz.draw_decode_flow(0)
-    fig = viz.draw_plan(strategy.seed_case(), 200_000)
+    fig = viz.draw_plan(strategy.article_case(), 200_000)
     assert "fits" in fig.axes[0].get_title()

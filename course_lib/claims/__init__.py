@@ -1,6 +1,6 @@
 """Published numbers beside the course's own.
 
-* ``seeds``   every number of the source articles recomputed with ``course_lib.capacity``
+* ``sources`` every number of the source articles recomputed with ``course_lib.capacity``
 * ``paper``   the vLLM paper's (SOSP'23) memory and throughput figures beside our simulations
 * ``tuning``  the source articles' tuning table, each row replayed
 

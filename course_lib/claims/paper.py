@@ -2,8 +2,8 @@
 
 Two sources: the vLLM paper (Kwon et al., SOSP 2023: Fig. 2's share of KV memory holding
 token states, OPT-13B on an A100-40GB over a ShareGPT trace, and the average batch sizes it
-reports on ShareGPT), and the seed articles' fragmentation ranges (not in
-``course_lib.claims.seeds``, which holds the capacity arithmetic; its static-vs-paged entry
+reports on ShareGPT), and the source articles' fragmentation ranges (not in
+``course_lib.claims.sources``, which holds the capacity arithmetic; its static-vs-paged entry
 ``001-static`` is reused as is). Each row keeps the published range and our value apart: we
 never tune the simulation to a row.
 """
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from course_lib import capacity as cap
+from course_lib.claims.sources import cite
 from course_lib.sim.static import POLICIES, MemoryTimeline, simulate_paged, simulate_static
 from course_lib.sim.traces import TraceRequest
 
@@ -36,7 +37,7 @@ PAPER_BATCH_SIZE = {"Orca-Max": 7.0, "paged (vLLM)": 30.0}   # "about 7 vs about
 
 
 class Row(NamedTuple):
-    source: str      # "paper", "seed 001", "seed 003 §1", ...
+    source: str      # "paper", or a source article as cite() writes it
     claim: str
     published: str   # as published: a value or a range
     ours: str        # what the simulation gives, and on which system(s)
@@ -80,18 +81,18 @@ def comparison_rows(timelines: Sequence[MemoryTimeline]) -> list[Row]:
             paged_pct),
         Row("paper", "mean batch size, Orca-Max vs paging (ShareGPT)", "about 7 vs about 30",
             f"{by_name['Orca-Max'].mean_batch_size():.1f} vs {paged.mean_batch_size():.1f}"),
-        Row("seed 003 §1", "internal fragmentation wastes", "60%-80%",
+        Row(cite("003", "§1"), "internal fragmentation wastes", "60%-80%",
             f"{_pct_range(internal)} of all KV memory (Orca-Max, Orca-Pow2)"),
-        Row("seed 003 §1", "external fragmentation wastes", "20%-40%",
+        Row(cite("003", "§1"), "external fragmentation wastes", "20%-40%",
             f"{_pct_range(external)} (incl. free memory too small for the next request)"),
-        Row("seed 003 §1", "utilization of traditional systems, 'measured by vLLM'",
+        Row(cite("003", "§1"), "utilization of traditional systems, 'measured by vLLM'",
             "20%-40%", _pct_range(states)),
-        Row("seed 001", "static allocation: utilization often below", "60%",
+        Row(cite("001"), "static allocation: utilization often below", "60%",
             f"{_pct_range(states)}: all below 60%" if max(states) < 0.6 else _pct_range(states)),
-        Row("seed 003 §6", "memory utilization HF / FasterTransformer / vLLM",
+        Row(cite("003", "§6"), "memory utilization HF / FasterTransformer / vLLM",
             "20-40% / 30-50% / 95-98%",
             f"{_pct_range(states)} (Orca) / - / {paged_pct}"),
-        Row("seed 003 §6", "max concurrent requests, vLLM over HF", "5-8x",
+        Row(cite("003", "§6"), "max concurrent requests, vLLM over HF", "5-8x",
             f"{ratio:.1f}x (paging over Orca-Max, mean batch)"),
     ]
 

@@ -1,4 +1,4 @@
-"""The seed's tuning table (seed 000, section 13.3), each row replayed: symptom, then the fix.
+"""The tuning table of the "Block Manager tutorial" (§13.3), each row replayed: symptom, fix.
 
 Every row is a small trace and a configuration that produces the row's symptom, and the
 configuration the row recommends. :func:`run_row` replays both and reports the signals a

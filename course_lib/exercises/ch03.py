@@ -36,7 +36,7 @@ def check_blocks_needed(fn: Callable[[int, int], int]) -> Verdict:
 
 def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> Verdict:
     rng = random.Random(4)
-    cases = [([7, 3, 12], [0, 15, 16, 31, 32, 39], 16),   # seed 003's Phys#7, #3, #12
+    cases = [([7, 3, 12], [0, 15, 16, 31, 32, 39], 16),   # "PagedAttention explained" #7, #3, #12
              ([5], [0], 1), ([0, 1], [3, 4], 4), ([9, 2], [], 4)]
     for _ in range(40):
         bs = 2 ** rng.randrange(0, 6)

@@ -16,7 +16,7 @@ from course_lib.kernels import reference
 from course_lib.kernels.batch import make_paged_batch
 
 SLOT_MAPPING_CASES = [
-    ([7, 3, 12], [0], 16),                      # the seed's table, first token
+    ([7, 3, 12], [0], 16),                      # the article's table, first token
     ([7, 3, 12], [15, 16], 16),                 # both sides of a block boundary
     ([7, 3, 12], [0, 1, 2, 31, 32, 47], 16),
     ([0], [0, 1, 2], 4),

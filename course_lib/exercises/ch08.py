@@ -20,8 +20,8 @@ RAISES = "raises ValueError"
 
 # (total_gpu_memory_gib, gpu_memory_utilization, weight_gib, other_gib, block_bytes)
 BLOCK_CASES = [
-    (80, 0.9, 17.5, 3.5, 655_360),       # seed 000 §4.3: 8 x H100, 70B at TP=8: 83,558
-    (80, 0.9, 16, 0, 2 * 1024 ** 2),     # seed 003 §4.2: Llama-3-8B on an A100: 28,672
+    (80, 0.9, 17.5, 3.5, 655_360),       # Block Manager tutorial §4.3: 70B, TP=8: 83,558
+    (80, 0.9, 16, 0, 2 * 1024 ** 2),     # PagedAttention explained §4.2: 8B, A100: 28,672
     (80, 0.9, 35, 0, 1_310_720),         # 70B at TP=4, one rank
     (80, 1.0, 78.125, 0, 1_179_648),     # DeepSeek-V3 FP8 weights over 8 ranks
     (24, 0.5, 6, 2, 1024 ** 2),          # the budget is exactly 4 GiB: 4,096 blocks
@@ -45,7 +45,7 @@ HEAD_CASES = [
 # (num_gpu_blocks, block_size, max_model_len)
 REQUEST_CASES = [
     (29_205, 16, 8192),        # Llama-3-8B on 80 GiB
-    (3_258, 16, 32_768),       # the DeepSeek-V3 pool of seed 000 §9
+    (3_258, 16, 32_768),       # the DeepSeek-V3 pool of "Block Manager tutorial" §9
     (100, 16, 20),             # each request takes 2 blocks = 32 slots, not 20: 50, not 80
     (100, 16, 16), (100, 16, 17),
     (100, 32, 1),              # one token still takes a whole block

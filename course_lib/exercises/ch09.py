@@ -61,8 +61,8 @@ RANK_CASES = [(0, 16, 4), (3, 16, 4), (4, 16, 4), (15, 16, 4), (9, 10, 4), (0, 1
 
 
 def reference_rank_of_token(position: int, num_tokens: int, cp_size: int) -> int:
-    """Seed 000 §5.3's contiguous layout: the rank whose range [r*N//cp, (r+1)*N//cp) holds
-    ``position``."""
+    """The contiguous layout of the "Block Manager tutorial" (§5.3): the rank whose range
+    [r*N//cp, (r+1)*N//cp) holds ``position``."""
     return next(r for r, (a, b) in enumerate(split_ranges(num_tokens, cp_size))
                 if a <= position < b)
 
@@ -76,7 +76,7 @@ CP_CASES = [(3258, 16, 4), (3258, 16, 1), (83_558, 16, 8), (0, 16, 4), (1, 1, 2)
 
 
 def reference_cp_max_tokens(num_gpu_blocks: int, block_size: int, cp_size: int) -> int:
-    """Longest single request: blocks x block_size x CP size (seed 000 §10)."""
+    """Longest single request: blocks x block_size x CP size ("Block Manager tutorial" §10)."""
     return cap.context_parallel_capacity(num_gpu_blocks, block_size, cp_size)
 
 

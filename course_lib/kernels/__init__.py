@@ -11,7 +11,7 @@ CUDA Triton's interpreter is switched on in time; they load on demand):
 * ``aot``            compiles every GPU variant for Hopper (sm_90) without a GPU
 * ``batch``          random paged batches (permuted block tables, NaN in unused slots)
 * ``timing``         timers, bytes read, peak bandwidth, stored GPU results
-* ``walkthrough``    chapter 04's three loops: the seed's (wrong), two-pass, online softmax
+* ``walkthrough``    chapter 04's three loops: the article's (wrong), two-pass, online softmax
 * ``smoke``          the vector-add kernel of chapter 00
 * ``batched``        the whole batch in a few torch ops: the serving engine's CPU path
 * ``backends``       :func:`~course_lib.kernels.backends.get_attn_backend`: the one place that

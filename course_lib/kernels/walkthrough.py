@@ -1,6 +1,6 @@
 """Paged attention for one decode query, written three ways, for chapter 04.
 
-1. :func:`seed_paged_attention` — the seed article's pseudo-code translated line by line. It
+1. :func:`article_paged_attention` — the source article's pseudo-code translated line by line. It
    applies ``softmax`` to each token's single score inside the loop; the softmax of one number
    is 1, so every token gets weight 1 and the "attention" is the plain sum of the values. Wrong.
 2. :func:`two_pass_paged_attention` — the fix with two passes over the block table: all scores
@@ -25,10 +25,10 @@ def _num_logical_blocks(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
-def seed_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
+def article_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
                          value_cache: torch.Tensor, block_table: list[int],
                          seq_len: int) -> torch.Tensor:
-    """The seed's loop, literally (wrong: softmax over one score at a time)."""
+    """The article's loop, literally (wrong: softmax over one score at a time)."""
     num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

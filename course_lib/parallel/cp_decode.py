@@ -1,9 +1,9 @@
 """Context-parallel decode over ``torch.distributed``: one sequence's KV cache split by tokens.
 
-Seed 000 §5.3 and §8: each of ``cp_size`` ranks keeps a different part of the sequence's
-tokens in its *own* paged cache (its own :class:`~course_lib.memory.BlockManager` and its own
-``key_cache`` / ``value_cache`` tensors), so one request can hold ``cp_size`` times more
-tokens. A decode step moves the query, not the cache:
+The "Block Manager tutorial", §5.3 and §8: each of ``cp_size`` ranks keeps a different part of
+the sequence's tokens in its *own* paged cache (its own :class:`~course_lib.memory.BlockManager`
+and its own ``key_cache`` / ``value_cache`` tensors), so one request can hold ``cp_size`` times
+more tokens. A decode step moves the query, not the cache:
 
 1. broadcast Q: the rank that runs the new token sends its query to every rank;
 2. local partial attention: each rank attends over its own tokens -> ``out_r``, ``lse_r``;
@@ -13,7 +13,7 @@ tokens. A decode step moves the query, not the cache:
    :func:`~course_lib.parallel.merge.merge_partials` instead: same numbers, more bytes.)
 
 The new token's K/V go to the rank that owns its position (``placement``): ``"contiguous"``
-is the seed's picture (the prompt cut in balanced ranges, new tokens on the last rank);
+is the article's picture (the prompt cut in balanced ranges, new tokens on the last rank);
 ``"interleaved"`` deals chunks of ``interleave_size`` tokens round-robin, as vLLM's decode
 context parallelism does, so every rank's cache grows during decode.
 

@@ -1,7 +1,7 @@
 """Attention over a split set of keys, and the log-sum-exp merge that glues the pieces back.
 
-Context parallelism (seed 000 §8) cuts one sequence's cached tokens into pieces on different
-ranks. For one decode query ``q`` and the keys of one piece ``P``::
+Context parallelism ("Block Manager tutorial" §8) cuts one sequence's cached tokens into
+pieces on different ranks. For one decode query ``q`` and the keys of one piece ``P``::
 
     s_j   = scale * q . k_j                       (j in P)
     lse_P = log(sum_j exp(s_j))                   (-inf when P is empty)
@@ -83,8 +83,8 @@ def merge_partials(outs: torch.Tensor | Sequence[torch.Tensor],
 
 
 def split_ranges(num_tokens: int, cp_size: int) -> list[tuple[int, int]]:
-    """Seed 000 §5.3's layout: rank r owns tokens ``[r*N//cp, (r+1)*N//cp)`` (balanced,
-    contiguous; a range is empty when N < cp)."""
+    """The layout of the "Block Manager tutorial" (§5.3): rank r owns tokens
+    ``[r*N//cp, (r+1)*N//cp)`` (balanced, contiguous; a range is empty when N < cp)."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:

@@ -1,8 +1,8 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3): a latent KV cache, and weight absorption.
 
-Seed 000 §6. Per token and layer, MLA caches one compressed vector ``c_kv`` (``kv_lora_rank``
-values) and one RoPE key ``k_rope`` (``qk_rope_head_dim`` values) shared by all heads -- not
-per-head K and V. Head ``h``'s key and value are linear images of the latent::
+The "Block Manager tutorial", §6. Per token and layer, MLA caches one compressed vector ``c_kv``
+(``kv_lora_rank`` values) and one RoPE key ``k_rope`` (``qk_rope_head_dim`` values) shared by
+all heads -- not per-head K and V. Head ``h``'s key and value are linear images of the latent::
 
     k_h = [c_kv @ W_uk[:, h]  ;  k_rope]          v_h = c_kv @ W_uv[:, h]
 
@@ -33,8 +33,9 @@ from course_lib.parallel.merge import partial_attention
 def latent_bytes_per_token(spec: cap.ModelSpec, tensor_parallel_size: int = 1) -> int:
     """MLA cache bytes per token over all layers on one rank: layers x (d_c + d_rope) x bytes.
 
-    The formula of seed 000 §10, checked against :func:`course_lib.capacity.kv_bytes_per_token`
-    (the library's single source of truth) so the two can never drift apart.
+    The formula of the "Block Manager tutorial" (§10), checked against
+    :func:`course_lib.capacity.kv_bytes_per_token` (the library's single source of truth) so the
+    two can never drift apart.
     """
     if not spec.is_mla:
         raise ValueError(f"{spec.name} is {spec.attention_type}, not MLA: it has no latent; "

@@ -1,11 +1,11 @@
-"""Which parallelism for long contexts: seed 000 §7's comparison and §10's decision tree.
+"""Which parallelism for long contexts: the "Block Manager tutorial"'s §7 and §10 decision tree.
 
 * :data:`STRATEGIES` -- DP, DP attention and context parallelism side by side (what each splits,
   what a rank's KV cache holds, the single-request limit, throughput, communication per layer).
 * :func:`plan` -- one deployment (model, GPU memory, TP, CP) in numbers: blocks and tokens per
   GPU, tokens in the whole deployment, the longest single request, decode traffic per step.
   All arithmetic is :mod:`course_lib.capacity`'s; this module only composes it.
-* :data:`DECISION_TREE` and :func:`recommend` -- the seed's tree as data, walked for a model
+* :data:`DECISION_TREE` and :func:`recommend` -- the article's tree as data, walked for a model
   and a target context length.
 
 Simplification, stated: a deployment is ``num_gpus = DP x TP x CP`` GPUs (DP: independent
@@ -24,7 +24,7 @@ from course_lib.capacity import GiB
 
 @dataclass(frozen=True)
 class Strategy:
-    """One column of seed 000 §7's table, in our words."""
+    """One column of "Block Manager tutorial" §7's table, in our words."""
 
     name: str
     splits: str
@@ -126,8 +126,8 @@ def plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int =
     """Size one deployment of ``num_gpus`` (default TP x CP; a multiple of it) GPUs.
 
     ``num_gpu_blocks`` skips the memory arithmetic and takes the pool size as measured
-    (vLLM's metric), as seed 000 §9 does. ValueError (from capacity) when the weights do not
-    fit or a size is invalid."""
+    (vLLM's metric), as the "Block Manager tutorial" §9 does. ValueError (from capacity) when
+    the weights do not fit or a size is invalid."""
     tp, cp = tensor_parallel_size, context_parallel_size
     cap._check_int("context_parallel_size", cp, 1)
     blk = cap.block_bytes(spec, block_size, tp)              # validates block_size and TP
@@ -150,17 +150,18 @@ def plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int =
                           cap.decode_comm_bytes(spec, longest, cp))
 
 
-def seed_case() -> DeploymentPlan:
-    """Seed 000 §9: DeepSeek-V3 on 8 x H100 80G, TP=2, CP=4, vLLM reporting 3,258 blocks."""
+def article_case() -> DeploymentPlan:
+    """The "Block Manager tutorial" §9: DeepSeek-V3 on 8 x H100 80G, TP=2, CP=4, vLLM
+    reporting 3,258 blocks."""
     return plan(cap.get_preset("deepseek-v3"), 80, 2, 4, num_gpu_blocks=3258)
 
 
 def compare_strategies(spec: cap.ModelSpec, gpu_memory_gib: float, num_gpus: int,
                        tensor_parallel_size: int = 1, context_parallel_size: int = 2,
                        **kwargs: object) -> dict[str, DeploymentPlan]:
-    """Seed 000 §7 in numbers: the same ``num_gpus`` GPUs used as DP groups (TP inside each)
-    or with context parallelism. (For the memory, DP attention sizes like DP: each rank
-    caches its own requests; it differs in how MoE layers communicate.)"""
+    """The "Block Manager tutorial" §7 in numbers: the same ``num_gpus`` GPUs used as DP groups
+    (TP inside each) or with context parallelism. (For the memory, DP attention sizes like DP:
+    each rank caches its own requests; it differs in how MoE layers communicate.)"""
     dp = plan(spec, gpu_memory_gib, tensor_parallel_size, 1, num_gpus=num_gpus, **kwargs)
     cp = plan(spec, gpu_memory_gib, tensor_parallel_size, context_parallel_size,
               num_gpus=num_gpus, **kwargs)

@@ -31,10 +31,10 @@ class CostModel:
 
     Defaults: Llama-2-7B in fp16 on an A100-class GPU, rounded.
     * ``s_per_token`` (1e-4): every token fed (prefill or decode) costs 2 x params FLOPs;
-      the seed's "recompute ~100 ms per 1K tokens" (seed 000 section 12.2) is the same figure.
+      "recompute ~100 ms per 1K tokens" ("Block Manager tutorial" §12.2) is the same figure.
     * ``step_base_s`` (9e-3): each step reads all weights once (13.5 GB at ~1.5 TB/s).
     * ``s_per_context_token`` (3.5e-7): a decode reads every cached token's K/V (0.5 MB/token).
-    * ``swap_bytes_per_s`` (20e9): PCIe 4.0 x16 in practice; the seed's "~50 ms per GB".
+    * ``swap_bytes_per_s`` (20e9): PCIe 4.0 x16 in practice; the article's "~50 ms per GB".
     * ``s_per_copy`` (4e-6): one cudaMemcpyAsync per block, per layer, per K and V: why
       small blocks swap slowly (the vLLM paper's Fig. 19).
     """

@@ -2,7 +2,7 @@
 
 The drawing code never reads a ``BlockManager`` directly: :func:`pool_view` turns one into a
 :class:`PoolView` (plain data), and :func:`view_from_tables` builds the same from hand-written
-tables, which is how the seed articles' schematic figures are redrawn. One renderer,
+tables, which is how the source articles' schematic figures are redrawn. One renderer,
 :func:`draw_pool_and_tables`, draws either.
 
 Colors: a block held by one sequence takes that sequence's color; a block shared by several
@@ -227,7 +227,8 @@ def draw_pool_and_tables(view: PoolView | BlockManager, title: str = "", ncols: 
 
 def draw_static_vs_paged(used: Sequence[int], reserved: int, view: PoolView,
                          labels: Sequence[str] = ("A", "B", "C")) -> Figure:
-    """Seed 001's picture: contiguous max-length reservations (top) vs a paged pool (bottom)."""
+    """The picture of the "Memory optimization" article: contiguous max-length reservations
+    (top) vs a paged pool (bottom)."""
     if len(labels) < len(used):
         raise ValueError(f"need a label per request, got {len(labels)} for {len(used)}")
     fig = Figure(figsize=(10, 4.0))

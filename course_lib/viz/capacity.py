@@ -2,8 +2,8 @@
 
 Every number drawn here comes from course_lib.capacity; this module only lays it out. The
 functions return matplotlib Figures (not pyplot state), so a notebook shows them as the cell's
-value and a test can count their bars. The seed-audit table and the capacity explorer widget
-are here too: both are displays of library results.
+value and a test can count their bars. The source-article audit table and the capacity explorer
+widget are here too: both are displays of library results.
 """
 
 from __future__ import annotations
@@ -18,32 +18,35 @@ from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
 from course_lib.capacity import GiB, KiB
-from course_lib.claims import seeds
+from course_lib.claims import sources
 
 ATTENTION_COLORS = {"MHA": "C3", "GQA": "C0", "MQA": "C2", "MLA": "C1"}
 
 
-# ---------------------------------------------------------------- the seed audit as a table
+# ------------------------------------------------------ the source articles' audit as a table
 
 @dataclass(frozen=True)
 class ClaimsTable:
-    """Seed claims as a table: HTML in Jupyter, aligned text in print() and nbval's text/plain."""
+    """Source-article claims as a table: HTML in Jupyter, aligned text in print() and in
+    nbval's text/plain."""
 
-    rows: tuple[seeds.SeedClaim, ...]
+    rows: tuple[sources.SourceClaim, ...]
 
-    _HEAD = ("seed", "where", "claim", "seed says", "course computes", "unit", "verdict")
+    _HEAD = ("article", "where", "claim", "article says", "course computes", "unit", "verdict")
 
-    def _cells(self, c: seeds.SeedClaim) -> tuple[str, ...]:
-        show = seeds._show  # the audit's own number formatting, shared with audit_table()
-        return (c.seed, c.where, c.claim, show(c.seed_value), show(c.course_value), c.unit,
+    def _cells(self, c: sources.SourceClaim) -> tuple[str, ...]:
+        show = sources._show  # the audit's own number formatting, shared with audit_table()
+        return (sources.cite(c.source), c.where, c.claim, show(c.source_value),
+                show(c.course_value), c.unit,
                 c.verdict)
 
     def __str__(self) -> str:
         lines = []
         for c in self.rows:
-            seed, where, claim, said, computed, unit, verdict = self._cells(c)
-            lines.append(f"[{c.key}] {verdict.upper()}: seed {seed} {where}: {claim}")
-            lines.append(f"    seed says {said} {unit}, course computes {computed} {unit}")
+            article, where, claim, said, computed, unit, verdict = self._cells(c)
+            lines.append(f"[{c.key}] {verdict.upper()}: {article} {where}: {claim}")
+            lines.append(f"    the article says {said} {unit}, "
+                         f"the course computes {computed} {unit}")
             lines.append(f"    {c.explanation}")
         return "\n".join(lines)
 
@@ -60,12 +63,13 @@ class ClaimsTable:
 
 
 def claims_table(keys: Iterable[str]) -> ClaimsTable:
-    """The audited seed claims with these keys, in the order given (ValueError if unknown)."""
-    claims = {c.key: c for c in seeds.audit()}
+    """The audited source-article claims with these keys, in the order given
+    (ValueError if unknown)."""
+    claims = {c.key: c for c in sources.audit()}
     keys = list(keys)
     unknown = [k for k in keys if k not in claims]
     if unknown:
-        raise ValueError(f"unknown seed-claim keys {unknown}; known: {sorted(claims)}")
+        raise ValueError(f"unknown claim keys {unknown}; known: {sorted(claims)}")
     return ClaimsTable(tuple(claims[k] for k in keys))
 
 

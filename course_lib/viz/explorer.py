@@ -56,9 +56,9 @@ def default_scenario() -> Scenario:
 class ScenarioRun:
     """The first ``num_steps`` steps of a scenario applied to a fresh ``BlockManager``.
 
-    The scheduler's side of seed 000 §3.2 in miniature: a request whose prompt does not fit
-    now waits (FCFS) and is admitted when a finishing request frees blocks; a sequence grows
-    one token at a time and takes a new block only when its last block is full.
+    The scheduler's side of the "Block Manager tutorial" §3.2 in miniature: a request whose
+    prompt does not fit now waits (FCFS) and is admitted when a finishing request frees blocks;
+    a sequence grows one token at a time and takes a new block only when its last block is full.
     """
 
     def __init__(self, scenario: Scenario, num_steps: int) -> None:

@@ -43,8 +43,9 @@ def _cell(x: float, y: float, color: str, hatch: str | None = None):
 
 
 def draw_decode_flow(cp_size: int = 4, head_dim_bytes: str = "q [H, d]") -> Figure:
-    """Seed 000 §8's decode step as a diagram: broadcast Q, local partial attention + LSE on
-    every rank, all-reduce merge. Arrows carry what crosses the network."""
+    """The decode step of the "Block Manager tutorial" §8 as a diagram: broadcast Q, local
+    partial attention + LSE on every rank, all-reduce merge. Arrows carry what crosses the
+    network."""
     from matplotlib.patches import FancyArrowPatch
 
     if not 1 <= cp_size <= 8:

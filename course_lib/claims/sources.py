@@ -1,10 +1,12 @@
-"""The seed articles' capacity numbers, recomputed with course_lib.capacity.
+"""The source articles' capacity numbers, recomputed with course_lib.capacity.
 
-The course's syllabus is three Chinese articles (../shared/seeds/). Each worked number in
-them that concerns KV-cache capacity becomes a SeedClaim: the article's value, typed in as
-printed, beside the course's value, computed here live by capacity.py, with a verdict and an
-explanation of any gap. Several seed numbers are wrong; the course shows the right one and
-where the article slipped, so a learner trusts arithmetic over prose.
+The course grew out of three Chinese articles on vLLM's KV cache, the *source articles*
+(listed in :data:`SOURCES` by number and title; learners do not need them to follow the
+course). Each worked number in them that concerns KV-cache capacity becomes a
+:class:`SourceClaim`: the article's value, typed in as printed, beside the course's value,
+computed here live by capacity.py, with a verdict and an explanation of any gap. Several of
+the articles' numbers are wrong; the course shows the right one and where the article slipped,
+so a learner trusts arithmetic over prose.
 """
 
 from __future__ import annotations
@@ -16,29 +18,42 @@ from course_lib import capacity as cap
 from course_lib.capacity import GiB, KiB, MiB
 from course_lib.capacity import format_bytes as fb
 
-SEEDS = {
-    "000": "000_ae14bb6662bb57e3.txt - a vLLM KV cache block manager tutorial",
-    "001": "001_11f3a53a1248b5c6.txt - KV cache management, PagedAttention, memory pool settings",
-    "003": "003_6a0254298a7f4481.txt - PagedAttention explained, with tuning parameters",
+# number -> (short title used in citations, full title translated from the Chinese)
+SOURCES = {
+    "000": ("Block Manager tutorial", "vLLM KV Cache Block Manager: an in-depth tutorial"),
+    "001": ("Memory optimization", "Memory optimization: KV cache management, how "
+            "PagedAttention works, and memory-pool settings"),
+    "003": ("PagedAttention explained", "PagedAttention explained, with tuning parameters "
+            "(blog post)"),
 }
+
+
+def cite(source: str, where: str = "") -> str:
+    """A source article as the course cites it: ``cite("003", "§2.1")`` ->
+    ``'"PagedAttention explained" §2.1'``."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {sorted(SOURCES)}, got {source!r}")
+    return f'"{SOURCES[source][0]}"' + (f" {where}" if where else "")
+
+
 VERDICTS = ("ok", "wrong", "approx", "unit")
-NO_NUMBER = math.nan  # seed_value when the seed gives a formula or a claim but no number
+NO_NUMBER = math.nan  # source_value when the article gives a formula or a claim, no number
 
 
 @dataclass(frozen=True)
-class SeedClaim:
-    """One number from a seed, checked.
+class SourceClaim:
+    """One number from a source article, checked.
 
-    verdict: 'ok' (right, up to the seed's rounding), 'approx' (close, but the seed's
+    verdict: 'ok' (right, up to the article's rounding), 'approx' (close, but the article's
     reasoning or rounding hides a real gap), 'wrong' (the number does not follow), 'unit'
-    (binary and decimal units mixed). seed_value is NO_NUMBER (nan) when the seed states a
+    (binary and decimal units mixed). source_value is NO_NUMBER (nan) when the article states a
     formula or a qualitative claim and the course supplies the number. key: a stable id.
     """
 
-    seed: str
+    source: str
     where: str
     claim: str
-    seed_value: float
+    source_value: float
     unit: str
     course_value: float
     verdict: str
@@ -48,23 +63,23 @@ class SeedClaim:
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
-        if self.seed not in SEEDS:
-            raise ValueError(f"seed must be one of {sorted(SEEDS)}, got {self.seed!r}")
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {sorted(SOURCES)}, got {self.source!r}")
 
 
 class _Sheet:
-    """Collects one seed's claims so each reads as a single add(...) call."""
+    """Collects one article's claims so each reads as a single add(...) call."""
 
-    def __init__(self, seed: str) -> None:
-        self.seed, self.claims = seed, []
+    def __init__(self, source: str) -> None:
+        self.source, self.claims = source, []
 
-    def add(self, key: str, where: str, claim: str, seed_value: float, unit: str,
+    def add(self, key: str, where: str, claim: str, source_value: float, unit: str,
             course_value: float, verdict: str, explanation: str) -> None:
-        self.claims.append(SeedClaim(self.seed, where, claim, float(seed_value), unit,
+        self.claims.append(SourceClaim(self.source, where, claim, float(source_value), unit,
                                      float(course_value), verdict, explanation, key))
 
 
-def _seed_000() -> list[SeedClaim]:
+def _source_000() -> list[SourceClaim]:
     s = _Sheet("000")
     m70 = cap.get_preset("llama-3-70b")  # "a typical 70B": Llama-2/3-70B share this geometry
     tok = cap.kv_bytes_per_token(m70)
@@ -73,7 +88,7 @@ def _seed_000() -> list[SeedClaim]:
           f"{tok:,} B = {fb(tok)}: K and V, 8 heads of 128 values, 2 B each, in 80 layers.")
     kv = cap.contiguous_kv_bytes(m70, 200_000)
     s.add("000-1.2-200k", "§1.2", "200K tokens: 320 KB x 200,000 = 64 GB", 64, "GiB", kv / GiB,
-          "unit", f"{tok:,} B x 200,000 = {kv / 1e9:.1f} GB = {fb(kv)}. The seed multiplies "
+          "unit", f"{tok:,} B x 200,000 = {kv / 1e9:.1f} GB = {fb(kv)}. The article multiplies "
           "binary KB (320 KiB) by 200,000 and reads the result, 64,000,000 KiB, as decimal GB; "
           "neither unit system gives 64.")
     k = cap.k_block_bytes_per_layer(m70, 16)
@@ -89,12 +104,12 @@ def _seed_000() -> list[SeedClaim]:
     s.add("000-4.3-weights", "§4.3", "70B FP16 weights ~140 GB, 17.5 GB per GPU over 8",
           140, "GB", m70.weight_bytes / 1e9, "ok",
           f"{m70.num_params:,} parameters x 2 B = {m70.weight_bytes / 1e9:.1f} GB "
-          f"({fb(m70.weight_bytes)}). Below we keep the seed's 17.5 per GPU, read as GiB.")
+          f"({fb(m70.weight_bytes)}). Below we keep the article's 17.5 per GPU, read as GiB.")
     b = cap.plan_kv_cache(m70, 80, gpu_memory_utilization=0.9, tensor_parallel_size=8,
                           weight_gib=17.5, activation_gib=2, overhead_gib=1.5)
     s.add("000-4.3-available", "§4.3", "available = 80 x 0.9 - 17.5 - 2 - 1.5 = 51 GB", 51,
           "GiB", b.available_kv_bytes / GiB, "ok",
-          f"{fb(b.available_kv_bytes)}, reading the seed's GB as GiB the way vLLM counts.")
+          f"{fb(b.available_kv_bytes)}, reading the article's GB as GiB the way vLLM counts.")
     s.add("000-4.3-block", "§4.3", "block per rank, TP=8 (1 KV head each): "
           "16 x 80 x 2 x 1 x 128 x 2 = 655,360 B ~ 640 KB", 655_360, "B", b.block_bytes, "ok",
           f"8 KV heads over 8 ranks leave {cap.kv_heads_per_rank(m70, 8)} per rank: "
@@ -105,7 +120,7 @@ def _seed_000() -> list[SeedClaim]:
           b.num_gpu_blocks, "approx",
           f"51 GiB / 640 KiB = {b.available_kv_bytes / b.block_bytes:,.1f}, floored to "
           f"{b.num_gpu_blocks:,}. 50 GiB would give {fifty:,} and decimal 51 GB {decimal:,}: "
-          "the seed's figure is 50 GiB's, not its own 51.")
+          "the article's figure is 50 GiB's, not its own 51.")
     s.add("000-4.3-tokens", "§4.3", "tokens = 81,920 x 16 ~ 1.3M", 81_920 * 16, "tokens",
           b.num_gpu_tokens, "approx", f"{b.num_gpu_blocks:,} x 16 = {b.num_gpu_tokens:,}; "
           "still about 1.3M, so rounding hides the 1 GiB slip above.")
@@ -129,7 +144,7 @@ def _seed_000() -> list[SeedClaim]:
     s.add("000-8-move-kv", "§8", "moving the KV instead: ~200 MB", 200, "MB",
           comm.move_kv_bytes / 1e6, "approx",
           f"Per layer: of {ctx:,} tokens over CP=4 the query's rank lacks {remote:,}, x 1,152 B "
-          f"= {comm.move_kv_bytes / 1e6:.0f} MB ({fb(comm.move_kv_bytes)}). The seed's figure "
+          f"= {comm.move_kv_bytes / 1e6:.0f} MB ({fb(comm.move_kv_bytes)}). The article's figure "
           f"is per layer; all {v3.num_layers} layers would move "
           f"{comm.move_kv_bytes * v3.num_layers / 1e9:.1f} GB per decode step.")
 
@@ -178,7 +193,7 @@ def _seed_000() -> list[SeedClaim]:
     return s.claims
 
 
-def _seed_001() -> list[SeedClaim]:
+def _source_001() -> list[SourceClaim]:
     s = _Sheet("001")
     m7 = cap.get_preset("llama-2-7b")
     kv = cap.contiguous_kv_bytes(m7, 1024)
@@ -224,7 +239,7 @@ def _seed_001() -> list[SeedClaim]:
     return s.claims
 
 
-def _seed_003() -> list[SeedClaim]:
+def _source_003() -> list[SourceClaim]:
     s = _Sheet("003")
     m70 = cap.get_preset("llama-2-70b")
     kv70 = cap.contiguous_kv_bytes(m70, 4096)
@@ -287,7 +302,7 @@ def _seed_003() -> list[SeedClaim]:
           "tokens (in decimal MB) and calls them blocks.")
     s.add("003-4.2-tokens", "§4.2", "max concurrent tokens ~7,168,000", 7_168_000, "tokens",
           b8.num_gpu_tokens, "wrong", f"{b8.num_gpu_blocks:,} x 16 = {b8.num_gpu_tokens:,}; the "
-          "seed multiplies its token count by 16 again.")
+          "article multiplies its token count by 16 again.")
     c = b8.max_concurrency(4096)
     s.add("003-4.2-concurrency", "§4.2", "~1700 concurrent requests at 4K context", 1700,
           "requests", c, "wrong", f"{b8.num_gpu_tokens:,} / 4096 = {c:.0f}; vLLM would log "
@@ -334,9 +349,9 @@ def _seed_003() -> list[SeedClaim]:
     return s.claims
 
 
-def audit() -> list[SeedClaim]:
-    """Every audited claim, in seed order, each course_value computed now."""
-    return [*_seed_000(), *_seed_001(), *_seed_003()]
+def audit() -> list[SourceClaim]:
+    """Every audited claim, in article order, each course_value computed now."""
+    return [*_source_000(), *_source_001(), *_source_003()]
 
 
 def _show(value: float) -> str:
@@ -349,6 +364,6 @@ def _show(value: float) -> str:
 
 def audit_table() -> list[dict[str, str]]:
     """The audit as display rows (e.g. pandas.DataFrame(audit_table()))."""
-    return [{"seed": c.seed, "where": c.where, "claim": c.claim,
-             "seed_value": _show(c.seed_value), "course_value": _show(c.course_value),
+    return [{"source": cite(c.source), "where": c.where, "claim": c.claim,
+             "source_value": _show(c.source_value), "course_value": _show(c.course_value),
              "unit": c.unit, "verdict": c.verdict} for c in audit()]

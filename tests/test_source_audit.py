@@ -1,6 +1,6 @@
-"""The seed audit: the right values are pinned here, each derived by hand in a comment.
+"""The source articles' audit: the right values are pinned here, each derived by hand in a comment.
 
-A pinned value is compared with the claim's course_value, which `claims.seeds` computes live
+A pinned value is compared with the claim's course_value, which `claims.sources` computes live
 through capacity.py; so these tests fail if either the library's arithmetic or the audit's
 use of it drifts.
 """
@@ -13,7 +13,7 @@ import pytest
 
 from course_lib import capacity as cap
 from course_lib.capacity import GiB, KiB, MiB
-from course_lib.claims import seeds as sa
+from course_lib.claims import sources as sa
 
 SEED_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 
@@ -96,34 +96,41 @@ def test_every_claim_is_pinned(claims):
 def test_keys_and_claims_unique():
     audit = sa.audit()
     assert len({c.key for c in audit}) == len(audit)
-    assert len({(c.seed, c.where, c.claim) for c in audit}) == len(audit)
-    assert all(c.key.startswith(c.seed + "-") for c in audit)
+    assert len({(c.source, c.where, c.claim) for c in audit}) == len(audit)
+    assert all(c.key.startswith(c.source + "-") for c in audit)
 
 
-def test_every_seed_is_audited():
-    assert {c.seed for c in sa.audit()} == set(sa.SEEDS)
+def test_every_source_article_is_audited():
+    assert {c.source for c in sa.audit()} == set(sa.SOURCES)
 
 
-@pytest.mark.skipif(not SEED_DIR.is_dir(), reason="seed articles not checked out here")
-def test_seed_files_exist():
-    for description in sa.SEEDS.values():
-        assert (SEED_DIR / description.split(" ")[0]).is_file()
+@pytest.mark.skipif(not SEED_DIR.is_dir(), reason="source articles not checked out here")
+def test_source_files_exist():
+    for number in sa.SOURCES:
+        assert len(list(SEED_DIR.glob(f"{number}_*.txt"))) == 1, number
+
+
+def test_cite_names_the_article_by_title():
+    assert sa.cite("003", "§2.1") == '"PagedAttention explained" §2.1'
+    assert sa.cite("001") == '"Memory optimization"'
+    with pytest.raises(ValueError, match="source must be one of"):
+        sa.cite("002")
 
 
 def test_verdicts_match_the_gap():
     for c in sa.audit():
         assert math.isfinite(c.course_value), c.key
         assert c.explanation and c.unit, c.key
-        if math.isnan(c.seed_value):
+        if math.isnan(c.source_value):
             assert c.verdict == "ok", c.key  # a formula or claim the course quantifies
             continue
-        gap = abs(c.seed_value - c.course_value) / abs(c.course_value)
+        gap = abs(c.source_value - c.course_value) / abs(c.course_value)
         if c.verdict == "ok":
             assert gap <= 0.05, c.key  # the seed's own rounding
         elif c.verdict == "approx":
             assert 0 < gap <= 0.30, c.key
         else:  # wrong, unit
-            assert not math.isclose(c.seed_value, c.course_value, rel_tol=1e-3), c.key
+            assert not math.isclose(c.source_value, c.course_value, rel_tol=1e-3), c.key
 
 
 def test_some_of_each_verdict():
@@ -136,15 +143,15 @@ def test_printed_outputs_match_32_kv_heads(claims):
     # Seed 003 §1 printed 5.00 and 2.00 GB: 4x the formula, i.e. 32 KV heads instead of 8.
     for key, name in [("003-1-70b-printed", "llama-2-70b"), ("003-1-8b-printed", "llama-3-8b")]:
         spec = dataclasses.replace(cap.get_preset(name), num_kv_heads=32)
-        assert cap.contiguous_kv_bytes(spec, 4096) / GiB == claims[key].seed_value
-        assert claims[key].seed_value == 4 * claims[key].course_value
+        assert cap.contiguous_kv_bytes(spec, 4096) / GiB == claims[key].source_value
+        assert claims[key].source_value == 4 * claims[key].course_value
 
 
 def test_seed_003_73_printed_lines_forget_block_size(claims):
     # The printed "Block count" is int(148 GiB / 327,680 B per token): tokens, not blocks.
-    assert int(148 * GiB / 327_680) == claims["003-7.3-blocks"].seed_value
-    assert int(148 * GiB / 327_680) * 16 == claims["003-7.3-tokens"].seed_value
-    assert claims["003-7.3-tokens"].seed_value // 2048 == claims["003-7.3-seqs"].seed_value
+    assert int(148 * GiB / 327_680) == claims["003-7.3-blocks"].source_value
+    assert int(148 * GiB / 327_680) * 16 == claims["003-7.3-tokens"].source_value
+    assert claims["003-7.3-tokens"].source_value // 2048 == claims["003-7.3-seqs"].source_value
 
 
 def test_course_values_are_computed_live(monkeypatch):
@@ -163,16 +170,16 @@ def test_course_values_are_computed_live(monkeypatch):
 def test_audit_table_rows(claims):
     rows = sa.audit_table()
     assert len(rows) == len(claims)
-    assert set(rows[0]) == {"seed", "where", "claim", "seed_value", "course_value", "unit",
+    assert set(rows[0]) == {"source", "where", "claim", "source_value", "course_value", "unit",
                             "verdict"}
     by_claim = {r["claim"]: r for r in rows}
     assert by_claim[claims["003-4.2-blocks"].claim]["course_value"] == "28,672"
-    assert by_claim[claims["003-7.3-per-rank"].claim]["seed_value"] == "-"
+    assert by_claim[claims["003-7.3-per-rank"].claim]["source_value"] == "-"
     assert all(isinstance(v, str) for r in rows for v in r.values())
 
 
-def test_seed_claim_rejects_unknown_verdict_and_seed():
+def test_source_claim_rejects_unknown_verdict_and_source():
     with pytest.raises(ValueError, match="verdict must be one of"):
-        sa.SeedClaim("000", "§1", "x", 1.0, "B", 1.0, "maybe", "")
-    with pytest.raises(ValueError, match="seed must be one of"):
-        sa.SeedClaim("999", "§1", "x", 1.0, "B", 1.0, "ok", "")
+        sa.SourceClaim("000", "§1", "x", 1.0, "B", 1.0, "maybe", "")
+    with pytest.raises(ValueError, match="source must be one of"):
+        sa.SourceClaim("999", "§1", "x", 1.0, "B", 1.0, "ok", "")
