@@ -48,7 +48,9 @@ class ModelSpec:
     all heads together; num_kv_heads must be 1 and head_dim is the per-head query/value
     width, which the cache never stores. dtype_bytes is the KV-cache element size (vLLM's
     kv_cache_dtype="auto" takes the model dtype); param_bytes is bytes per weight (1 for FP8).
-    num_params is approximate: it only sizes the weights.
+    num_params is approximate: it only sizes the weights. max_position_embeddings is the
+    longest context the model was built for (config.json's field; vLLM's default
+    max_model_len), 0 when unknown.
     """
 
     name: str
@@ -61,12 +63,13 @@ class ModelSpec:
     param_bytes: float = 2.0
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    max_position_embeddings: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                      "num_params", "dtype_bytes"):
             _check_int(name, getattr(self, name), 1)
-        for name in ("kv_lora_rank", "qk_rope_head_dim"):
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings"):
             _check_int(name, getattr(self, name), 0)
         if not self.param_bytes > 0:
             raise ValueError(f"param_bytes must be > 0, got {self.param_bytes!r}")
@@ -100,14 +103,19 @@ class ModelSpec:
 
 
 PRESETS: dict[str, ModelSpec] = {s.name.lower(): s for s in (
-    ModelSpec("Llama-2-7B", 32, 32, 32, 128, num_params=6_738_415_616),
-    ModelSpec("Llama-2-70B", 80, 64, 8, 128, num_params=68_976_648_192),
-    ModelSpec("Llama-3-8B", 32, 32, 8, 128, num_params=8_030_261_248),
-    ModelSpec("Llama-3-70B", 80, 64, 8, 128, num_params=70_553_706_496),
-    ModelSpec("Qwen2.5-7B", 28, 28, 4, 128, num_params=7_615_616_512),
+    ModelSpec("Llama-2-7B", 32, 32, 32, 128, num_params=6_738_415_616,
+              max_position_embeddings=4096),
+    ModelSpec("Llama-2-70B", 80, 64, 8, 128, num_params=68_976_648_192,
+              max_position_embeddings=4096),
+    ModelSpec("Llama-3-8B", 32, 32, 8, 128, num_params=8_030_261_248,
+              max_position_embeddings=8192),
+    ModelSpec("Llama-3-70B", 80, 64, 8, 128, num_params=70_553_706_496,
+              max_position_embeddings=8192),
+    ModelSpec("Qwen2.5-7B", 28, 28, 4, 128, num_params=7_615_616_512,
+              max_position_embeddings=131_072),
     # Released in FP8 (1 B/weight); vLLM caches the 512 + 64 latent in BF16 (2 B).
     ModelSpec("DeepSeek-V3", 61, 128, 1, 128, num_params=671_000_000_000, param_bytes=1.0,
-              kv_lora_rank=512, qk_rope_head_dim=64),
+              kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=163_840),
 )}
 
 
