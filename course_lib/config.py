@@ -55,13 +55,24 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The KV-cache pools the block manager manages (see ``course_lib.capacity`` for sizing)."""
+    """The KV-cache pools the block manager manages (see ``course_lib.capacity`` for sizing).
+
+    ``prefix_cache`` (the course's switch, not a vLLM option) picks how the V1 design finds
+    cached prefixes: ``"hash"`` (vLLM V1's chained block hashes) or ``"radix"`` (SGLang's radix
+    tree, :class:`~course_lib.memory.RadixKVCacheManager`). The V0 design has its own verified
+    hash chain and accepts only ``"hash"``.
+    """
 
     block_size: int = 16
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0
     watermark: float = 0.01
     enable_prefix_caching: bool = False
+    prefix_cache: str = "hash"
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache not in ("hash", "radix"):
+            raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
 
     @staticmethod
     def from_swap_space(swap_space_gib: float, block_bytes: int, **kwargs) -> CacheConfig:

@@ -611,3 +611,49 @@ def test_lookups_of_unknown_ids_and_blocks_give_clear_errors():
         with pytest.raises(ValueError, match="gpu block ids are 0..7"):
             m.ref_count(bad)
     assert m.ref_count(0) == 1
+
+
+# ------------------------------------ where the V0 pair differs from vLLM V0 (design notes)
+def test_differs_from_v0_a_block_that_fills_to_match_a_cached_one_is_not_merged():
+    m = cached()
+    m.allocate(0, toks(8, 200))
+    m.mark_blocks_as_computed(0, 8)
+    m.allocate(1, toks(5, 200))                       # shares block 0, owns a partial block
+    own = m.get_block_table(1)[1]
+    for t in toks(3, 205):                            # fills it with seq 0's second block
+        m.append_slots(1, [t])
+    m.append_slots(1, [999])
+    table0, table1 = m.get_block_table(0), m.get_block_table(1)
+    assert table1[:2] == [table0[0], own] and own != table0[1]     # V0 would merge into table0[1]
+    assert m.ref_count(own) == 1 and m.ref_count(table0[1]) == 1
+    m.check_invariants()
+
+
+def test_differs_from_v0_swap_in_counts_the_partial_block_and_takes_new_blocks():
+    m = cached(6, cpu=8)
+    m.allocate(0, toks(9, 300))                       # 2 full blocks + 1 partial
+    m.mark_blocks_as_computed(0, 9)
+    full = m.get_block_table(0)[:2]
+    m.swap_out([0])
+    assert all(m.cache.is_cached(b) for b in full)    # parked on the GPU, evictable
+    m.allocate(1, toks(13, 500))                      # 4 blocks: the 2 parked ones stay free
+    assert m.num_free_gpu_blocks == 2 and m.gpu.num_evictable_blocks == 2
+    # V0 counts full blocks only (2 <= 2 free: OK); the course counts the partial one too
+    assert m.swap_in_need([0]) == 3 and m.can_swap_in([0]) == AllocStatus.LATER
+    m.free(1)
+    mapping = m.swap_in([0])
+    assert len(mapping) == 3                          # every block copied back, none revived
+    m.check_invariants()
+
+
+def test_differs_from_v0_prefix_counters_survive_a_reset():
+    m = cached(8)
+    m.allocate(0, toks(9))
+    m.mark_blocks_as_computed(0, 9)
+    m.free(0)
+    m.allocate(1, toks(9))
+    m.free(1)
+    before = m.prefix_cache_stats
+    assert before.hits == 8 and before.queries == 18
+    assert m.reset_prefix_cache() is True
+    assert m.prefix_cache_stats == before             # cumulative, like V1's counters

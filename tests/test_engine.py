@@ -34,11 +34,12 @@ def reference(model) -> list[list[int]]:
 
 def make_engine(model, *, block_size: int = 16, num_gpu_blocks: int = 128,
                 num_cpu_blocks: int = 0, prefix: bool = False, mode: str = "recompute",
-                max_num_seqs: int = 64, **kwargs) -> LLMEngine:
+                max_num_seqs: int = 64, prefix_cache: str = "hash", **kwargs) -> LLMEngine:
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
                          max_model_len=model.config.max_position, preemption_mode=mode)
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                     num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix)
+                     num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=prefix,
+                     prefix_cache=prefix_cache)
     return LLMEngine(model, sc, cc, **kwargs)
 
 
@@ -260,13 +261,17 @@ def test_engine_on_cuda_gives_the_contiguous_tokens_with_swap_and_forks() -> Non
 
 
 # ------------------------------------------------------------------- the V1 design
-@pytest.mark.parametrize("blocks, prefix", [(128, False), (128, True), (14, True)])
+@pytest.mark.parametrize("blocks, prefix, index", [(128, False, "hash"), (128, True, "hash"),
+                                                   (14, True, "hash"), (128, True, "radix"),
+                                                   (14, True, "radix")])
 def test_v1_design_gives_the_contiguous_tokens_and_v0s_samples(model, reference, blocks,
-                                                               prefix) -> None:
+                                                               prefix, index) -> None:
     """vLLM V1's KVCacheManager and scheduler under the same model, runner and sampler:
     greedy equals the contiguous cache (with preemption by recompute at 14 blocks), and seeded
-    parallel samples (V1: child sequences) are V0's samples token for token."""
-    v1 = make_engine(model, block_size=4, num_gpu_blocks=blocks, prefix=prefix, design="v1")
+    parallel samples (V1: child sequences) are V0's samples token for token; the same with
+    SGLang's radix tree as the prefix cache."""
+    v1 = make_engine(model, block_size=4, num_gpu_blocks=blocks, prefix=prefix, design="v1",
+                     prefix_cache=index)
     outs = v1.generate(PROMPTS, GREEDY)
     done = [o for o in outs if o.finish_detail is None]
     assert len(done) >= 4
@@ -279,6 +284,8 @@ def test_v1_design_gives_the_contiguous_tokens_and_v0s_samples(model, reference,
     assert_all_blocks_back(v1)
     if blocks == 14:
         assert v1.scheduler.num_preemptions > 0
+    if prefix:
+        assert v1.block_manager.prefix_cache_stats.hits > 0     # the children's prompt
     with pytest.raises(ValueError, match="beam search"):
         v1.add_request("x", SamplingParams(beam_width=2))
     with pytest.raises(ValueError, match="design must be one of"):

@@ -37,11 +37,13 @@ def model():
 
 def make_engine(model, *, blocks: int = 64, prefix: bool = True, mode: str = "recompute",
                 cpu: int = 0, budget: int = 64, design: str = "v0") -> LLMEngine:
+    """``design``: "v0", "v1", or "v1-radix" (the V1 pair with SGLang's radix tree)."""
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget,
                          max_model_len=model.config.max_position, preemption_mode=mode)
     cc = CacheConfig(block_size=4, num_gpu_blocks=blocks, num_cpu_blocks=cpu, watermark=0.0,
-                     enable_prefix_caching=prefix)
-    return LLMEngine(model, sc, cc, stop_token_ids=(), design=design)
+                     enable_prefix_caching=prefix,
+                     prefix_cache="radix" if design == "v1-radix" else "hash")
+    return LLMEngine(model, sc, cc, stop_token_ids=(), design=design.split("-")[0])
 
 
 def v1_state(engine: LLMEngine):
@@ -368,10 +370,10 @@ def run_workload(model, picks, mode, prefix, faults=None, monkeypatch=None, desi
 @given(picks=st.lists(st.integers(0, len(REQUESTS) - 1), min_size=2, max_size=5),
        mode=st.sampled_from(["recompute", "swap"]), prefix=st.booleans(),
        plan=st.lists(st.tuples(st.sampled_from(POINTS), st.integers(1, 40)), max_size=5),
-       design=st.sampled_from(["v0", "v1"]))
+       design=st.sampled_from(["v0", "v1", "v1-radix"]))
 def test_random_faults_hurt_only_the_requests_they_hit(model, picks, mode, prefix, plan,
                                                        design):
-    if design == "v1":                     # the V1 core runs no beam search (or swap)
+    if design != "v0":                     # the V1 core runs no beam search (or swap)
         picks = [p for p in picks if not REQUESTS[p][1].use_beam_search] or [0, 1]
     clean, _ = run_workload(model, picks, mode, prefix, design=design)
     with pytest.MonkeyPatch.context() as mp:

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.ch07
 
 
 def make(block_size=4, num_gpu_blocks=64, caching=True, budget=32, max_num_seqs=16,
-         chunked=True, cls=SchedulerV1):
+         chunked=True, cls=SchedulerV1, prefix_cache="hash"):
     return cls(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(
                    budget, 256 if not chunked else 1), max_model_len=256,
                    enable_chunked_prefill=chunked),
-               CacheConfig(block_size, num_gpu_blocks, 0, 0.0, caching))
+               CacheConfig(block_size, num_gpu_blocks, 0, 0.0, caching, prefix_cache))
 
 
 def drain(s, max_steps=5000):
@@ -43,10 +43,12 @@ request_st = st.tuples(st.lists(st.integers(1, 6), min_size=1, max_size=30),
 @settings(max_examples=120)
 @given(requests=st.lists(request_st, min_size=1, max_size=8),
        block_size=st.sampled_from([1, 2, 4, 16]), blocks=st.integers(4, 60),
-       caching=st.booleans(), budget=st.integers(4, 64), max_num_seqs=st.integers(1, 8))
+       caching=st.booleans(), budget=st.integers(4, 64), max_num_seqs=st.integers(1, 8),
+       prefix_cache=st.sampled_from(["hash", "radix"]))
 def test_random_traces_give_the_fake_samplers_tokens_whatever_the_pressure(
-        requests, block_size, blocks, caching, budget, max_num_seqs):
-    s = make(block_size, blocks, caching, budget, max_num_seqs)
+        requests, block_size, blocks, caching, budget, max_num_seqs, prefix_cache):
+    """Either prefix cache (V1's hash chain, SGLang's radix tree) under the V1 scheduler."""
+    s = make(block_size, blocks, caching, budget, max_num_seqs, prefix_cache=prefix_cache)
     reqs = [s.add_request(i, p, SamplingParams(max_tokens=m, n=n))
             for i, (p, m, n) in enumerate(requests)]
     drain(s)

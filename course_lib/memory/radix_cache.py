@@ -57,6 +57,9 @@ class SlotPool:
             self._is_free[s] = 1
             self._free.append(s)
 
+    def free_slots(self) -> set[int]:
+        return set(self._free)
+
 
 class TreeNode:
     """An edge of the tree (``key``: its tokens) and the node it leads to."""
@@ -78,11 +81,14 @@ class TreeNode:
 class RadixCache:
     """A radix tree of cached prefixes over a :class:`SlotPool` (see the module docstring)."""
 
-    def __init__(self, num_slots: int, page_size: int = 1) -> None:
+    def __init__(self, num_slots: int, page_size: int = 1, pool: SlotPool | None = None) -> None:
+        """``pool``: where slots come from and go back to (default: a :class:`SlotPool` of
+        ``num_slots``); anything with ``alloc``, ``free``, ``available_size`` and
+        ``free_slots``, e.g. whole KV-cache blocks (``radix_kv_cache_manager.BlockSlotPool``)."""
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
-        self.pool = SlotPool(num_slots)
+        self.pool = pool if pool is not None else SlotPool(num_slots)
         self.root = TreeNode()
         self.root.lock_ref = 1            # never evicted
         self.evictable_size_ = 0          # tokens in unlocked nodes
@@ -215,6 +221,28 @@ class RadixCache:
             self.evict(n - self.pool.available_size())
         return self.pool.alloc(n)
 
+    def clone(self) -> tuple[RadixCache, dict[int, TreeNode]]:
+        """A copy of the tree and its pool (no recursion, whatever the depth), and the map
+        ``id(old node) -> new node`` for callers that hold nodes."""
+        import copy
+
+        new = copy.copy(self)
+        new.pool = copy.deepcopy(self.pool)
+        new.root = TreeNode()
+        new.root.lock_ref, new.root.last_access_time = self.root.lock_ref, \
+            self.root.last_access_time
+        mapping, stack = {id(self.root): new.root}, [self.root]
+        while stack:
+            node = stack.pop()
+            for k, child in node.children.items():
+                c = TreeNode(child.key, list(child.value), mapping[id(node)], child.extra_key)
+                c.lock_ref, c.last_access_time = child.lock_ref, child.last_access_time
+                mapping[id(node)].children[k] = c
+                mapping[id(child)] = c
+                stack.append(child)
+        new.evictable_leaves = {mapping[id(n)] for n in self.evictable_leaves}
+        return new, mapping
+
     # ----------------------------------------------------------------- sizes, checks
     def evictable_size(self) -> int:
         return self.evictable_size_
@@ -246,7 +274,7 @@ class RadixCache:
         nodes = self.nodes()
         slots = [s for n in nodes for s in n.value]
         assert len(slots) == len(set(slots)), "a slot is in the tree twice"
-        assert not set(slots) & set(self.pool._free), "a cached slot is on the free list"
+        assert not set(slots) & self.pool.free_slots(), "a cached slot is on the free list"
         assert all(len(n.key) == len(n.value) and n.key for n in nodes), "bad edge"
         assert all(len(n.key) % self.page_size == 0 for n in nodes), "edge not in whole pages"
         assert self.evictable_size_ == sum(len(n.key) for n in nodes if n.lock_ref == 0)

@@ -57,6 +57,9 @@ class Scheduler:
                  victim_policy: VictimPolicy = last_arrived_first) -> None:
         self.config = scheduler_config or SchedulerConfig()
         self.cache_config = cc = cache_config or CacheConfig()
+        if cc.prefix_cache != "hash":
+            raise ValueError(f"prefix_cache={cc.prefix_cache!r} is a V1-design option; the V0 "
+                             "design keeps its own verified hash chain (use 'hash')")
         self.block_manager = BlockManager(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks,
                                           cc.watermark, cc.enable_prefix_caching)
         self.victim_policy = victim_policy

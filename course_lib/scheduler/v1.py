@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from ..config import CacheConfig, SchedulerConfig
 from ..memory.kv_cache_manager import KVCacheManager, V1Snapshot
+from ..memory.radix_kv_cache_manager import RadixKVCacheManager
 from ..sequence import Request, RequestFailed, SamplingParams, Sequence, SequenceStatus
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_samples
@@ -48,14 +49,16 @@ class SchedulerV1Snapshot(NamedTuple):
 
 
 class SchedulerV1:
-    """Continuous batching over a :class:`~course_lib.memory.KVCacheManager` (see above)."""
+    """Continuous batching over a :class:`~course_lib.memory.KVCacheManager` (see above), or
+    over SGLang's radix tree with ``CacheConfig(prefix_cache="radix")``."""
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None) -> None:
         self.config = scheduler_config or SchedulerConfig()
         self.cache_config = cc = cache_config or CacheConfig()
-        self.kv_cache_manager = KVCacheManager(cc.block_size, cc.num_gpu_blocks,
-                                               cc.enable_prefix_caching, cc.watermark)
+        manager = RadixKVCacheManager if cc.prefix_cache == "radix" else KVCacheManager
+        self.kv_cache_manager = manager(cc.block_size, cc.num_gpu_blocks,
+                                        cc.enable_prefix_caching, cc.watermark)
         self.block_manager = self.kv_cache_manager   # the name the engine and metrics read
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

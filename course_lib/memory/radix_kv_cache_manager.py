@@ -1,0 +1,359 @@
+"""The V1 pair with SGLang's radix tree as its prefix cache, instead of block hashes.
+
+:class:`RadixKVCacheManager` answers the V1 scheduler exactly as
+:class:`~course_lib.memory.KVCacheManager` does (``get_computed_blocks``, ``allocate_slots``
+returning ``None`` when short, ``free``, ``forget``, usage, snapshots), but finds cached prefixes
+the way SGLang does (``python/sglang/srt/mem_cache/radix_cache.py``, SGLang 0.5.23): a
+:class:`~course_lib.memory.radix_cache.RadixCache` whose pages are the KV cache's blocks
+(``page_size = block_size``), walked token by token from the root. What follows from that:
+
+* **Hits compare tokens, not hashes**: nothing to trust, nothing to collide.
+* **Eviction is SGLang's**: free blocks are a plain stack; when it is empty, the least recently
+  used *unlocked leaves* of the tree are evicted (never an inner node: a prefix others extend
+  stays while they do), where V1's free-block queue evicts from its front.
+* **Locks instead of reference counts** for cached blocks: a sequence locks the path to the end
+  of its cached prefix (``inc_lock_ref``), so nothing it reads is evicted.
+* As in V1, full blocks enter the cache when they are allocated for tokens this step computes,
+  and a block that fills up to match content already in the tree is not merged: that sequence's
+  later blocks stay private (freed, not cached, when it ends).
+
+A block is in exactly one place: the free stack, the tree (evictable when unlocked), or one
+sequence's private tail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from .block_table import cdiv
+from .kv_cache_manager import PoolState, SeqBlocks, V1Snapshot
+from .manager import BlockUsage, PrefixCacheStats
+from .pool import EVICTABLE, FREE, HELD
+from .radix_cache import RadixCache, TreeNode
+
+
+class BlockSlotPool:
+    """Token slots handed out as whole blocks: slot ``b * block_size + i`` is slot ``i`` of
+    block ``b`` (SGLang's ``PagedTokenToKVPoolAllocator`` in ``allocator/paged.py``).
+    ``alloc(n)`` takes ``n / block_size`` blocks from a stack; ``free`` gives whole blocks
+    back."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))    # pop() gives 0 first
+        self._is_free = bytearray([1]) * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def available_size(self) -> int:
+        return len(self.free_blocks) * self.block_size
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n % self.block_size:
+            raise ValueError(f"allocate whole blocks: {n} is not a multiple of "
+                             f"{self.block_size}")
+        if n > self.available_size():
+            return None
+        bs, out = self.block_size, []
+        for _ in range(n // bs):
+            b = self.free_blocks.pop()
+            self._is_free[b] = 0
+            out += range(b * bs, (b + 1) * bs)
+        return out
+
+    def free(self, slots: Sequence[int]) -> None:
+        bs = self.block_size
+        blocks = [slots[i] // bs for i in range(0, len(slots), bs)]
+        for i, b in enumerate(blocks):
+            if list(slots[i * bs:(i + 1) * bs]) != list(range(b * bs, (b + 1) * bs)):
+                raise ValueError(f"slots {list(slots[i * bs:(i + 1) * bs])} are not one block")
+            if not 0 <= b < self.num_blocks or self._is_free[b]:
+                raise ValueError(f"block {b} is not allocated (double free?)")
+        for b in blocks:
+            self._is_free[b] = 1
+            self.free_blocks.append(b)
+
+    def free_slots(self) -> set[int]:
+        bs = self.block_size
+        return {b * bs + i for b in self.free_blocks for i in range(bs)}
+
+
+def _clone(tree: RadixCache, last_node: dict[int, TreeNode]
+           ) -> tuple[RadixCache, dict[int, TreeNode]]:
+    new, mapping = tree.clone()
+    return new, {s: mapping[id(n)] for s, n in last_node.items()}
+
+
+def canonical_state(tree: RadixCache) -> tuple:
+    """A tree's cached blocks as data: (namespace, the tokens up to the block's end, block id,
+    lock count, last access) per block, and the free stack; equal for equal caches, however
+    their edges happen to be split."""
+    bs, pages = tree.page_size, []
+    for n in tree.nodes():
+        prefix: tuple = ()
+        node = n.parent
+        while node is not tree.root:
+            prefix = node.key + prefix
+            node = node.parent
+        for i in range(0, len(n.value), bs):
+            pages.append((n.extra_key, prefix + n.key[:i + bs], n.value[i] // bs, n.lock_ref,
+                          n.last_access_time))
+    return tuple(sorted(pages, key=repr)), tuple(tree.pool.free_blocks)
+
+
+class RadixState:
+    """The tree and the sequences' locked nodes, copied; compares by content
+    (:func:`canonical_state`), not by object identity."""
+
+    def __init__(self, tree: RadixCache, last_node: dict[int, TreeNode]) -> None:
+        self.tree, self.last_node = _clone(tree, last_node)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RadixState) and \
+            canonical_state(self.tree) == canonical_state(other.tree)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class RadixKVCacheManager:
+    """V1's KV-cache manager interface over SGLang's radix tree (module docstring)."""
+
+    def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024,
+                 enable_caching: bool = True, watermark: float = 0.0) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) \
+                or not 1 <= block_size <= 256 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
+        if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int) \
+                or num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
+        self.num_cpu_blocks = 0                      # V1: no swap space
+        self.enable_caching = enable_caching
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.pool = BlockSlotPool(num_gpu_blocks, block_size)
+        self.tree = RadixCache(num_gpu_blocks * block_size, block_size, pool=self.pool)
+        self.req_to_blocks: dict[int, list[int]] = {}
+        self.num_slots: dict[int, int] = {}          # tokens with a slot
+        self.num_cached_block: dict[int, int] = {}   # leading blocks that are the tree's
+        self.last_node: dict[int, TreeNode] = {}     # locked end of that cached prefix
+        self.diverged: set[int] = set()              # later full blocks duplicate the tree
+        self.salts: dict[int, Hashable] = {}
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
+    # ------------------------------------------------------------------------ queries
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        """Blocks an allocation can get: the free stack plus unlocked cached blocks."""
+        return self.pool.num_free_blocks + self.tree.evictable_size() // self.block_size
+
+    num_free_cpu_blocks = 0
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self.req_to_blocks
+
+    def seq_ids(self) -> list[int]:
+        return list(self.req_to_blocks)
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        if seq_id not in self.req_to_blocks:
+            raise ValueError(f"seq {seq_id!r} has no blocks")
+        return list(self.req_to_blocks[seq_id])
+
+    def _namespace(self, seq_id: int) -> Hashable:
+        salt = self.salts.get(seq_id)               # typed: 1, True and 1.0 never share
+        return None if salt is None else (type(salt).__name__, salt)
+
+    def _slots(self, blocks: Sequence[int]) -> list[int]:
+        bs = self.block_size
+        return [s for b in blocks for s in range(b * bs, (b + 1) * bs)]
+
+    def _peek(self, tokens: Sequence[int], ns: Hashable) -> tuple[list[int], int]:
+        """Blocks of the longest cached prefix of ``tokens`` (whole blocks) and how many of
+        them are unlocked, without splitting or touching anything."""
+        tree, node, blocks, unlocked = self.tree, self.tree.root, [], 0
+        tokens = tuple(tokens[:len(tokens) - len(tokens) % self.block_size])
+        while tokens:
+            child = node.children.get(tree._child_key(tokens, ns))
+            if child is None:
+                break
+            n = tree._match_len(child.key, tokens)
+            new = [s // self.block_size for s in child.value[:n:self.block_size]]
+            blocks += new
+            unlocked += len(new) if child.lock_ref == 0 else 0
+            if n < len(child.key):
+                break
+            node, tokens = child, tokens[n:]
+        return blocks, unlocked
+
+    # -------------------------------------------------------------- look up, allocate
+    def get_computed_blocks(self, seq_id: int, token_ids: list[int],
+                            cache_salt: Hashable = None) -> tuple[list[int], int]:
+        """Block ids of the longest cached prefix of whole blocks, at most ``len - 1``
+        tokens, and how many tokens they hold. Changes nothing but the salt it records."""
+        self.salts[seq_id] = cache_salt
+        if not self.enable_caching:
+            return [], 0
+        limit = (len(token_ids) - 1) // self.block_size * self.block_size
+        hits, _ = self._peek(token_ids[:limit], self._namespace(seq_id))
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_stats(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
+                       num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+                       admission: bool = False) -> list[int] | None:
+        """Room for ``num_new_tokens`` more tokens (and the hit ``new_computed_blocks`` of a
+        sequence being admitted); the sequence's block ids, or None (nothing changes)."""
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
+        blocks = self.req_to_blocks.get(seq_id, [])
+        hits = list(new_computed_blocks)
+        total = num_computed_tokens + len(hits) * bs + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(f"seq {seq_id}: {total} tokens to hold, it has {len(token_ids)}")
+        num_new = max(cdiv(total, bs) - len(blocks) - len(hits), 0)
+        unlocked = 0
+        if hits:
+            found, unlocked = self._peek(token_ids[:len(hits) * bs], ns)
+            if found != hits:
+                raise ValueError(f"seq {seq_id}: {hits} are not the cached prefix {found}")
+        reserve = self.watermark_blocks if admission else 0
+        if num_new + unlocked > self.num_free_gpu_blocks - reserve:
+            return None
+        if hits:                                     # lock the hit path before evicting
+            _, node = tree.match_prefix(token_ids[:len(hits) * bs], ns)
+            tree.inc_lock_ref(node)
+            self.last_node[seq_id], self.num_cached_block[seq_id] = node, len(hits)
+        slots = tree.alloc(num_new * bs) if num_new else []
+        blocks = blocks + hits + [slots[i] // bs for i in range(0, len(slots), bs)]
+        self.req_to_blocks[seq_id], self.num_slots[seq_id] = blocks, total
+        if self.enable_caching:
+            self._cache_full_blocks(seq_id, token_ids, total // bs)
+        return list(blocks)
+
+    def _cache_full_blocks(self, seq_id: int, token_ids: list[int], num_full: int) -> None:
+        """Insert the sequence's full blocks past its cached prefix into the tree, and move
+        its lock to the new end; a sequence whose new block duplicates a cached one stops
+        caching (no merge, as in V1)."""
+        done = self.num_cached_block.get(seq_id, 0)
+        if seq_id in self.diverged or num_full <= done:
+            return
+        bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
+        tokens = token_ids[:num_full * bs]
+        found, _ = self._peek(tokens, ns)
+        if len(found) > done:
+            self.diverged.add(seq_id)
+            return
+        tree.insert(tokens, self._slots(self.req_to_blocks[seq_id][:num_full]), ns)
+        _, node = tree.match_prefix(tokens, ns)
+        tree.inc_lock_ref(node)
+        if seq_id in self.last_node:
+            tree.dec_lock_ref(self.last_node[seq_id])
+        self.last_node[seq_id], self.num_cached_block[seq_id] = node, num_full
+
+    # ------------------------------------------------------------------ give back
+    def free(self, seq_id: int) -> None:
+        """Unlock the sequence's cached prefix (it stays in the tree, evictable) and give its
+        private blocks back to the stack."""
+        if seq_id not in self.req_to_blocks:
+            raise ValueError(f"seq {seq_id!r} has no blocks")
+        blocks = self.req_to_blocks.pop(seq_id)
+        cached = self.num_cached_block.pop(seq_id, 0)
+        if seq_id in self.last_node:
+            self.tree.dec_lock_ref(self.last_node.pop(seq_id))
+        self.pool.free(self._slots(reversed(blocks[cached:])))
+        self.num_slots.pop(seq_id, None)
+        self.diverged.discard(seq_id)
+
+    def forget(self, seq_id: int) -> None:
+        if seq_id in self.req_to_blocks:
+            self.free(seq_id)
+        self.salts.pop(seq_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict the whole tree; only while no sequence holds blocks."""
+        if self.req_to_blocks:
+            return False
+        self.tree.evict(self.tree.evictable_size())
+        return True
+
+    # ------------------------------------------------------------- usage and checks
+    def usage(self, device: str = "gpu") -> BlockUsage:
+        if device == "cpu":
+            return BlockUsage("cpu", self.block_size, 0, 0, 0, 0, 0)
+        held = self.num_gpu_blocks - self.num_free_gpu_blocks
+        empty = sum(len(b) * self.block_size - self.num_slots[s]
+                    for s, b in self.req_to_blocks.items())
+        return BlockUsage("gpu", self.block_size, self.num_gpu_blocks, self.num_free_gpu_blocks,
+                          self.tree.evictable_size() // self.block_size,
+                          sum(len(b) for b in self.req_to_blocks.values()),
+                          held * self.block_size - empty)
+
+    def _tree_blocks(self) -> dict[int, TreeNode]:
+        bs = self.block_size
+        return {s // bs: n for n in self.tree.nodes() for s in n.value[::bs]}
+
+    def check_invariants(self) -> None:
+        """The tree's invariants; every block is free, in the tree or one sequence's private
+        tail; a sequence's cached prefix is the path to its locked node; each node is locked
+        once per sequence whose locked node is at or below it."""
+        bs, tree = self.block_size, self.tree
+        tree.check_invariants()
+        in_tree = self._tree_blocks()
+        for n in tree.nodes():
+            for i in range(0, len(n.value), bs):
+                b = n.value[i] // bs
+                assert n.value[i:i + bs] == list(range(b * bs, (b + 1) * bs)), "not one block"
+        free = set(self.pool.free_blocks)
+        private = [b for s, bl in self.req_to_blocks.items()
+                   for b in bl[self.num_cached_block.get(s, 0):]]
+        assert len(private) == len(set(private)), "a private block in two tables"
+        assert not (free & set(in_tree)) and not (free | set(in_tree)) & set(private), \
+            "a block in two places"
+        assert len(free) + len(in_tree) + len(private) == self.num_gpu_blocks, "a block lost"
+        locks: dict[int, int] = {}
+        for s, blocks in self.req_to_blocks.items():
+            assert len(blocks) == cdiv(self.num_slots[s], bs), f"seq {s}: blocks vs slots"
+            path, node = [], self.last_node.get(s, tree.root)
+            while node is not tree.root:
+                locks[id(node)] = locks.get(id(node), 0) + 1
+                path = [v // bs for v in node.value[::bs]] + path
+                node = node.parent
+            assert path == blocks[:self.num_cached_block.get(s, 0)], f"seq {s}: cached prefix"
+        for n in tree.nodes():
+            assert n.lock_ref == locks.get(id(n), 0), "a lock nobody holds"
+        assert set(self.last_node) <= set(self.req_to_blocks)
+
+    # ------------------------------------------------------------ snapshot / restore
+    def snapshot(self) -> V1Snapshot:
+        in_tree = self._tree_blocks()
+        state = bytearray(FREE if self.pool._is_free[b] else
+                          EVICTABLE if b in in_tree and in_tree[b].lock_ref == 0 else HELD
+                          for b in range(self.num_gpu_blocks))
+        tables = {s: SeqBlocks(list(b)) for s, b in self.req_to_blocks.items()}
+        per_seq = ({s: list(b) for s, b in self.req_to_blocks.items()}, dict(self.num_slots),
+                   dict(self.num_cached_block), set(self.diverged), dict(self.salts))
+        return V1Snapshot(PoolState(state), PoolState(bytearray()), tables,
+                          RadixState(self.tree, self.last_node),
+                          per_seq, (self.prefix_cache_queries, self.prefix_cache_hits))
+
+    def restore(self, snap: V1Snapshot) -> None:
+        self.tree, self.last_node = _clone(snap.pool.tree, snap.pool.last_node)
+        self.pool = self.tree.pool
+        tables, slots, cached, diverged, salts = snap.per_seq
+        self.req_to_blocks = {s: list(b) for s, b in tables.items()}
+        self.num_slots, self.num_cached_block = dict(slots), dict(cached)
+        self.diverged, self.salts = set(diverged), dict(salts)
+        self.prefix_cache_queries, self.prefix_cache_hits = snap.counters
