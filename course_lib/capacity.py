@@ -17,7 +17,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 # Total memory of one GPU as nvidia-smi reports it, in GiB: what vLLM's gpu_memory_utilization
-# multiplies (torch.cuda.mem_get_info's total). Marketing figures are decimal GB ("141 GB").
+# multiplies (torch.cuda.mem_get_info's total). A datasheet's "141 GB" is near this GiB figure;
+# read as decimal GB it would be 131.3 GiB, 9 GiB short.
 H200_MEMORY_GIB = 143_771 / 1024          # H200 SXM: 143,771 MiB = 140.4 GiB
 
 
@@ -334,6 +335,29 @@ def context_parallel_capacity(num_gpu_blocks: int, block_size: int,
     """
     _check_int("context_parallel_size", context_parallel_size, 1)
     return tokens_that_fit(num_gpu_blocks, block_size) * context_parallel_size
+
+
+def verify_max_model_len(spec: ModelSpec, max_model_len: int | None = None, *,
+                         allow_long_max_model_len: bool = False) -> int:
+    """The max_model_len vLLM would run spec with, or ValueError where vLLM refuses to start.
+
+    As ``_get_and_verify_max_len`` in vLLM 0.33.0's ``vllm/config/model.py``: None means the
+    model's own length (max_position_embeddings); a longer request is refused unless the
+    environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (allow_long_max_model_len),
+    since positions the model never saw break its attention (NaNs with RoPE). When the preset
+    does not know its length (0), vLLM assumes 2048 for None and trusts any explicit value.
+    """
+    if max_model_len is None:
+        return spec.max_position_embeddings or 2048
+    _check_int("max_model_len", max_model_len, 1)
+    limit = spec.max_position_embeddings
+    if limit and max_model_len > limit and not allow_long_max_model_len:
+        raise ValueError(
+            f"max_model_len={max_model_len:,} is longer than {spec.name}'s "
+            f"max_position_embeddings={limit:,}: vLLM refuses to start unless "
+            f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (positions past {limit:,} were never "
+            "trained: NaNs with RoPE)")
+    return max_model_len
 
 
 def num_cpu_blocks(swap_space: float, block_bytes: int) -> int:

@@ -156,7 +156,7 @@ def test_request_bytes_paged_vs_contiguous():
     assert cap.contiguous_kv_bytes(m, 50) == 50 * 131_072
     assert cap.paged_kv_bytes(m, 50, 16) == 4 * 16 * 131_072  # ceil(50/16) = 4 blocks
     assert cap.paged_kv_bytes(m, 64, 16) == cap.contiguous_kv_bytes(m, 64)
-    # Seed 003's intro case: 2 x 80 x 4096 x 8 x 128 x 2 = 1,342,177,280 B = 1.25 GiB.
+    # "PagedAttention explained" intro: 2 x 80 x 4096 x 8 x 128 x 2 = 1,342,177,280 B = 1.25 GiB.
     assert cap.contiguous_kv_bytes(cap.get_preset("llama-2-70b"), 4096) == 1_342_177_280
 
 
@@ -194,7 +194,7 @@ def test_utilization_and_internal_waste():
 # --- the memory budget -----------------------------------------------------------------------
 
 def test_available_kv_bytes():
-    # Seed 000 §4.3: 80 x 0.9 - 17.5 - 2 - 1.5 = 51 (GiB).
+    # Block Manager tutorial §4.3: 80 x 0.9 - 17.5 - 2 - 1.5 = 51 (GiB).
     got = cap.available_kv_bytes(80 * GiB, 0.9, int(17.5 * GiB), 2 * GiB, int(1.5 * GiB))
     assert got == 51 * GiB
 
@@ -230,7 +230,7 @@ def test_num_gpu_blocks_floors():
 def test_tokens_and_max_concurrency():
     assert cap.tokens_that_fit(3258, 16) == 52_128
     assert cap.max_concurrency(3258, 16, 32768) == pytest.approx(52_128 / 32_768)
-    assert cap.max_concurrency(28_672, 16, 4096) == 112.0  # seed 003 §4.2, corrected
+    assert cap.max_concurrency(28_672, 16, 4096) == 112.0  # PagedAttention explained §4.2
     with pytest.raises(ValueError, match="max_model_len must be an integer >= 1, got 0"):
         cap.max_concurrency(10, 16, 0)
 

@@ -1,4 +1,5 @@
-"""Chapters 01 and 08: exercise checkers, figures, the seed-claims table, the capacity explorer.
+"""Chapters 01 and 08: exercise checkers, figures, the source-claims table, the capacity
+explorer.
 
 Checkers must pass the library's own solution and fail the typical wrong ones; figures must
 show one bar or line per input; the explorer must react to its widgets. Expected numbers are
@@ -77,7 +78,7 @@ def test_ch01_not_attempted_and_crashing_solutions():
 
 # ---------------------------------------------------------------- chapter 08 exercises
 
-def test_ch08_references_on_seed_cases():
+def test_ch08_references_on_article_cases():
     assert ch08.reference_num_gpu_blocks(80, 0.9, 17.5, 3.5, 655_360) == 83_558
     assert ch08.reference_num_gpu_blocks(80, 0.9, 16, 0, 2 * MiB) == 28_672
     assert ch08.reference_num_gpu_blocks(24, 0.5, 6, 6, MiB) == 0

@@ -95,7 +95,7 @@ def test_reference_allocator_rejects_without_changing_state():
 
 
 def test_block_to_copy_checker():
-    assert ch05.block_to_copy(*ch05.cow_case(18, 4, 2)) == 4      # seed 000 §11.2
+    assert ch05.block_to_copy(*ch05.cow_case(18, 4, 2)) == 4      # Block Manager tutorial §11.2
     assert ch05.block_to_copy(*ch05.cow_case(16, 4, 2)) is None    # full: new block, no copy
     assert ch05.block_to_copy(*ch05.cow_case(18, 4, 1)) is None    # not shared
 

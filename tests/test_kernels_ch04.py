@@ -76,7 +76,7 @@ def test_merge_checker():
     assert verdict.passed == verdict.total - 1 and "nan" in verdict.first_problem
 
 
-def test_three_level_mapping_drawing_labels_the_seed_example():
+def test_three_level_mapping_drawing_labels_the_article_example():
     from course_lib.viz.attention import draw_three_level_mapping
 
     fig = draw_three_level_mapping([7, 3, 12], 40, 16, 16, {1: "Req-B"})

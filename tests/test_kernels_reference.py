@@ -1,6 +1,6 @@
 """The torch reference is itself right (checked against torch's SDPA on contiguous K/V), the
 dispatch API validates and routes, the tile heuristics keep their promises, and the chapter's
-three loops (the seed's, two-pass, online) behave as the chapter says.
+three loops (the article's, two-pass, online) behave as the chapter says.
 
 pytest only (no hypothesis): this module runs on a GPU machine with plain ``python3 -m pytest``.
 """
@@ -52,7 +52,7 @@ def test_gather_kv_returns_the_contiguous_tokens():
 
 
 def test_slot_mapping_follows_the_block_table():
-    # the seed's example: logical blocks 0, 1, 2 -> physical 7, 3, 12 with 16-token blocks
+    # the article's example: logical blocks 0, 1, 2 -> physical 7, 3, 12 with 16-token blocks
     assert reference.slot_mapping([7, 3, 12], [0, 15, 16, 33], 16) == [112, 127, 48, 193]
     with pytest.raises(ValueError, match="outside the 3 blocks"):
         reference.slot_mapping([7, 3, 12], [48], 16)
@@ -84,10 +84,10 @@ def test_seed_loop_is_wrong_and_both_fixes_are_right():
                                          b.seq_lens)[0]
     torch.testing.assert_close(walkthrough.two_pass_paged_attention(*args), want)
     torch.testing.assert_close(walkthrough.online_paged_attention(*args), want)
-    seed = walkthrough.article_paged_attention(*args)
-    # softmax of a single score is 1: the seed's loop sums the values
-    torch.testing.assert_close(seed, b.values[0].repeat_interleave(2, dim=1).sum(0))
-    assert (seed - want).abs().max() > 1.0
+    article = walkthrough.article_paged_attention(*args)
+    # softmax of a single score is 1: the article's loop sums the values
+    torch.testing.assert_close(article, b.values[0].repeat_interleave(2, dim=1).sum(0))
+    assert (article - want).abs().max() > 1.0
 
 
 def test_paged_attention_dispatch_matches_reference_and_routes():

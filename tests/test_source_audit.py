@@ -15,7 +15,8 @@ from course_lib import capacity as cap
 from course_lib.capacity import GiB, KiB, MiB
 from course_lib.claims import sources as sa
 
-SEED_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
+# The articles' text, where a checkout has it (learners do not need it).
+ARTICLES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,9 @@ PINNED = {
     "003-7.3-tokens": (484_960, "30,310 x 16"),
     "003-7.3-seqs": (236, "484,960 // 2048"),
     "003-7.3-per-rank": (30_310, "(80 x 0.9 - 35) GiB / 1.25 MiB = 30,310.4"),
+    "003-summary-mla": (61 * 128 * (192 + 128) * 2 / 70_272,
+                        "MHA: 61 layers x 128 heads x (K 192 + V 128) x 2 B = 4,997,120 B, "
+                        "over the 70,272 B latent = 71.1"),
 }
 
 
@@ -104,10 +108,10 @@ def test_every_source_article_is_audited():
     assert {c.source for c in sa.audit()} == set(sa.SOURCES)
 
 
-@pytest.mark.skipif(not SEED_DIR.is_dir(), reason="source articles not checked out here")
+@pytest.mark.skipif(not ARTICLES_DIR.is_dir(), reason="source articles not checked out here")
 def test_source_files_exist():
     for number in sa.SOURCES:
-        assert len(list(SEED_DIR.glob(f"{number}_*.txt"))) == 1, number
+        assert len(list(ARTICLES_DIR.glob(f"{number}_*.txt"))) == 1, number
 
 
 def test_cite_names_the_article_by_title():
@@ -126,7 +130,7 @@ def test_verdicts_match_the_gap():
             continue
         gap = abs(c.source_value - c.course_value) / abs(c.course_value)
         if c.verdict == "ok":
-            assert gap <= 0.05, c.key  # the seed's own rounding
+            assert gap <= 0.05, c.key  # the article's own rounding
         elif c.verdict == "approx":
             assert 0 < gap <= 0.30, c.key
         else:  # wrong, unit
@@ -140,14 +144,14 @@ def test_some_of_each_verdict():
 
 
 def test_printed_outputs_match_32_kv_heads(claims):
-    # Seed 003 §1 printed 5.00 and 2.00 GB: 4x the formula, i.e. 32 KV heads instead of 8.
+    # The article (003 §1) printed 5.00 and 2.00 GB: 4x the formula, 32 KV heads, not 8.
     for key, name in [("003-1-70b-printed", "llama-2-70b"), ("003-1-8b-printed", "llama-3-8b")]:
         spec = dataclasses.replace(cap.get_preset(name), num_kv_heads=32)
         assert cap.contiguous_kv_bytes(spec, 4096) / GiB == claims[key].source_value
         assert claims[key].source_value == 4 * claims[key].course_value
 
 
-def test_seed_003_73_printed_lines_forget_block_size(claims):
+def test_article_003_73_printed_lines_forget_block_size(claims):
     # The printed "Block count" is int(148 GiB / 327,680 B per token): tokens, not blocks.
     assert int(148 * GiB / 327_680) == claims["003-7.3-blocks"].source_value
     assert int(148 * GiB / 327_680) * 16 == claims["003-7.3-tokens"].source_value

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.ch03
 
 
 def cow_manager() -> BlockManager:
-    """Seed 000 §11.2 after the write: A [0,1,2,3,5], B [0,1,2,3,4]."""
+    """The Block Manager tutorial's §11.2 after the write: A [0,1,2,3,5], B [0,1,2,3,4]."""
     m = BlockManager(block_size=4, num_gpu_blocks=8, watermark=0.0)
     m.allocate(0, list(range(18)))
     m.fork(0, 1)

@@ -245,22 +245,24 @@ def _source_003() -> list[SourceClaim]:
     kv70 = cap.contiguous_kv_bytes(m70, 4096)
     kv70_32 = cap.contiguous_kv_bytes(replace(m70, num_kv_heads=32), 4096)
     kv70_mha = cap.contiguous_kv_bytes(replace(m70, num_kv_heads=64), 4096)
+    mha70 = f"MHA ({m70.num_attention_heads} KV heads, one per query head) gives {fb(kv70_mha)}"
     s.add("003-intro-70b", "intro", "a 70B model's 4K-token request can take over 5 GB of KV",
           5, "GiB", kv70 / GiB, "wrong",
-          f"Llama-2-70B uses GQA with 8 KV heads: 4096 tokens take {fb(kv70)}. Over 5 GiB "
-          f"needs 32 KV heads ({fb(kv70_32)}) or full MHA ({fb(kv70_mha)}).")
+          f"Llama-2-70B uses GQA with 8 KV heads: 4096 tokens take {fb(kv70)}. 5 GiB is what 32 "
+          f"KV heads give ({fb(kv70_32)}), which is not MHA for this model: {mha70}.")
     s.add("003-1-70b-printed", "§1 code", "kv_cache_size(80, 4096, 8, 128) prints "
           "'KV Cache size: 5.00 GB'", 5.0, "GiB", kv70 / GiB, "wrong",
           f"The function shown returns {kv70:,} B = {kv70 / GiB:.2f} GiB. The printed value is "
-          f"4x that, what 32 KV heads give ({kv70_32 / GiB:.2f}): it was not produced by the "
-          "code shown.")
+          f"4x that, what 32 KV heads give ({kv70_32 / GiB:.2f}); the code shown did not print "
+          f"it. Not MHA either: {mha70}.")
     m8 = cap.get_preset("llama-3-8b")
     kv8 = cap.contiguous_kv_bytes(m8, 4096)
     kv8_32 = cap.contiguous_kv_bytes(replace(m8, num_kv_heads=32), 4096)
     s.add("003-1-8b-printed", "§1 code", "kv_cache_size(32, 4096, 8, 128) prints "
           "'Llama-3-8B KV Cache: 2.00 GB'", 2.0, "GiB", kv8 / GiB, "wrong",
           f"The formula gives {kv8:,} B = {kv8 / GiB:.2f} GiB; {kv8_32 / GiB:.2f} is what 32 "
-          "KV heads give, Llama-3-8B's query-head count, not its 8 KV heads.")
+          f"KV heads give: this model under MHA ({m8.num_attention_heads} query heads, each with "
+          "its own KV head), not its 8 GQA KV heads.")
     b8 = cap.plan_kv_cache(m8, 80, gpu_memory_utilization=0.9, weight_gib=16)
     waste = b8.available_kv_bytes * (1 - 0.40)
     s.add("003-1-waste", "§1", "at 20-40% utilization an 80 GB A100 may waste 48 GB or more",
@@ -346,7 +348,30 @@ def _source_003() -> list[SourceClaim]:
           f"vLLM sizes each rank: TP=4 leaves {cap.kv_heads_per_rank(m3, 4)} KV heads, "
           f"{fb(rank.block_bytes)} blocks and {fb(rank.available_kv_bytes)} per rank, so "
           f"{rank.num_gpu_blocks:,} blocks per rank: the same count, since heads split evenly.")
+    v3 = cap.get_preset("deepseek-v3")
+    mla, mha = cap.kv_bytes_per_token(v3), mha_equivalent_kv_bytes_per_token(v3)
+    gqa = cap.kv_bytes_per_token(m3)
+    s.add("003-summary-mla", "summary", "MLA's low-rank compression shrinks each block's KV "
+          "data to 1/10 (10x less)", 10, "x less", mha / mla, "wrong",
+          f"DeepSeek-V3 caching plain MHA K/V ({v3.num_attention_heads} heads, K "
+          f"{v3.head_dim} + {v3.qk_rope_head_dim} wide, V {v3.head_dim} wide) would take {mha:,} B "
+          f"per token; its MLA latent takes {mla:,} B: 1/{mha / mla:.1f}. Against a GQA 70B "
+          f"(Llama-3-70B, {gqa:,} B) it is 1/{gqa / mla:.1f}. Neither baseline gives 1/10.")
     return s.claims
+
+
+def mha_equivalent_kv_bytes_per_token(spec: cap.ModelSpec) -> int:
+    """Bytes per token an MLA model would cache with plain per-head K and V (MHA), all layers.
+
+    Each of its num_attention_heads heads would store a key of head_dim + qk_rope_head_dim
+    values (DeepSeek's keys have a no-RoPE part, qk_nope_head_dim, and a RoPE part) and a
+    value of head_dim values; for DeepSeek-V2/V3 qk_nope_head_dim = v_head_dim = head_dim = 128.
+    ValueError for a model that is not MLA (its own cache is already per-head K and V).
+    """
+    if not spec.is_mla:
+        raise ValueError(f"{spec.name} is not an MLA model: use capacity.kv_bytes_per_token")
+    per_head = (spec.head_dim + spec.qk_rope_head_dim) + spec.head_dim
+    return spec.num_layers * spec.num_attention_heads * per_head * spec.dtype_bytes
 
 
 def audit() -> list[SourceClaim]:

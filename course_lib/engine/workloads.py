@@ -11,6 +11,9 @@ baseline, and the memory saved by sharing (used by ``bench/engine.py``, the CLI 
   has fully finished) -- with the same model and kernels, at the same KV memory.
 * :func:`sharing_savings`: blocks saved by sharing (parallel sampling, beam search) over a run:
   ``1 - held blocks / blocks without sharing``, summed over steps (the vLLM paper's measure).
+* :func:`simulated_sharing_savings`: the same measure without a model (the V0 scheduler and
+  block manager with ``sim.fake_sampler``), for traces at the paper's lengths (chapter 05);
+  :data:`PAPER_SHARING_SAVINGS` holds the paper's figures to compare with.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..config import CacheConfig, SchedulerConfig
 from ..kernels.backends import get_attn_backend
 from ..model.attention import make_attention_metadata
 from ..model.llama import TinyLlama, allocate_kv_caches
+from ..scheduler import Scheduler
 from ..sequence import SamplingParams
+from ..sim.fake_sampler import fake_samples
 from ..sim.traces import TraceRequest, alpaca_lengths, poisson_arrivals, sharegpt_lengths
 from .llm_engine import LLMEngine, RequestOutput
 
@@ -188,4 +194,41 @@ def sharing_savings(engine: LLMEngine, trace: Sequence[TraceRequest],
         acc.unshared_block_steps += usage.num_table_entries
 
     run_trace(engine, trace, params=params, progress=progress, on_step=watch)
+    return acc
+
+
+# The vLLM paper (Kwon et al., SOSP 2023), section 6.3, Fig. 15: memory saved by sharing,
+# OPT-13B on the Alpaca trace, in percent, by number of samples / beam width.
+PAPER_SHARING_SAVINGS: dict[str, dict[int, float]] = {
+    "parallel sampling": {2: 6.09, 4: 8.53, 6: 9.79},
+    "beam search": {2: 37.56, 4: 53.13, 6: 55.16},
+}
+
+
+def simulated_sharing_savings(trace: Sequence[TraceRequest], params: SamplingParams, *,
+                              block_size: int = 16) -> SharingResult:
+    """:func:`sharing_savings` without a model: every request of ``trace`` is queued at once
+    with ``params`` (its ``max_tokens`` replaced by each request's ``output_len``), the V0
+    scheduler runs it on a pool large enough that nothing is preempted, and
+    ``fake_samples`` stands in for the model (every sample runs to its ``output_len``; beams
+    get pseudo-random log-probabilities, so which beams survive is chance, not a model's)."""
+    width = max(params.n, params.beam_width)
+    need = sum(width * (math.ceil((t.prompt_len + t.output_len) / block_size) + 1)
+               for t in trace)
+    longest = max((t.prompt_len + t.output_len for t in trace), default=1)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096,
+                                      max_model_len=longest),
+                      CacheConfig(block_size=block_size, num_gpu_blocks=need + 1, watermark=0.0))
+    for t in trace:
+        sched.add_request(t.request_id, t.prompt_token_ids,
+                          replace(params, max_tokens=t.output_len))
+    acc = SharingResult(0, 0)
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        sched.update(out, fake_samples(out))
+        usage = sched.block_manager.usage()
+        acc.held_block_steps += usage.num_held_blocks
+        acc.unshared_block_steps += usage.num_table_entries
+    if sched.num_preemptions:
+        raise RuntimeError("the pool was too small: a preemption changed the measure")
     return acc

@@ -1,15 +1,20 @@
 """Chapter 06 exercises: the chained block hashes, and how many prompt tokens the cache saves.
 
 References run the library's ``PrefixCache`` / ``BlockManager`` on the same input.
+:func:`ttft_with_and_without_cache` replays a multi-turn chat trace with the cache off and on.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
+from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Verdict, check
 from course_lib.memory import BlockManager, BlockTable, PrefixCache
+from course_lib.sim.replay import replay
+from course_lib.sim.traces import TraceRequest
 
 
 def block_hashes(tokens: list[int], block_size: int, extra_key: Hashable = ()) -> list[int]:
@@ -64,3 +69,27 @@ def check_num_cached_tokens(fn: Callable[[list[int], list[list[int]], int], int]
                    for _ in range(rng.randrange(0, 3))]
         cases.append((base + _prompt(rng, rng.randrange(0, 6), 2), earlier, bs))
     return check("6.2 num_cached_tokens", fn, num_cached_tokens, cases)
+
+
+class CacheTTFT(NamedTuple):
+    """Mean time to first token of one replay with the prefix cache off and one with it on."""
+
+    ttft_off_s: float
+    ttft_on_s: float
+    hit_rate: float      # prompt tokens read from the cache, cache on
+
+    @property
+    def ttft_cut(self) -> float:
+        return 1 - self.ttft_on_s / self.ttft_off_s
+
+
+def ttft_with_and_without_cache(trace: Sequence[TraceRequest],
+                                block_size: int = 16) -> CacheTTFT:
+    """Replay ``trace`` (``sim.replay``: the V0 scheduler, the default ``CostModel``, a pool
+    that never runs short) with prefix caching off, then on."""
+    longest = max((t.prompt_len + t.output_len for t in trace), default=1)
+    need = sum(-(-(t.prompt_len + t.output_len) // block_size) for t in trace) + 1
+    runs = [replay(trace, SchedulerConfig(max_model_len=longest),
+                   CacheConfig(block_size=block_size, num_gpu_blocks=need, watermark=0.0,
+                               enable_prefix_caching=on)) for on in (False, True)]
+    return CacheTTFT(runs[0].ttft_mean, runs[1].ttft_mean, runs[1].prefix_cache_hit_rate)

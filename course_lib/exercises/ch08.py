@@ -29,7 +29,9 @@ BLOCK_CASES = [
     (24, 0.5, 6, 7, 1024 ** 2),          # negative budget: the model does not fit
     (16, 0.75, 15, 0, 1024 ** 2),        # weights exceed usable memory
     (80, 0.9, 16, 0, 3 * 1024 ** 3),     # a block bigger than the budget: zero blocks
-    (141, 0.95, 70.5, 2, 2_359_296),     # H200, weights split over 2 ranks
+    # H200 (nvidia-smi's 140.4 GiB) at vLLM 0.33.0's 0.92: Llama-3-70B over 2 ranks, 2.5 MiB
+    # blocks: 25,173
+    (cap.H200_MEMORY_GIB, 0.92, 65.71, 2, 2_621_440),
 ]
 
 # (num_kv_heads, tensor_parallel_size)

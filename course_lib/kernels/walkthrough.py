@@ -12,13 +12,26 @@
 All three take ``query [num_heads, head_dim]``, the caches ``[num_blocks, block_size,
 num_kv_heads, head_dim]``, one sequence's ``block_table`` (a list) and ``seq_len``, and return
 ``[num_heads, head_dim]`` in float32. Plain Python loops: written to be read, not to be fast.
+
+Two helpers put the chapter's kernel beside vLLM's, with numbers:
+
+* :func:`v0_decode_grid` / :func:`course_decode_grid` -- the programs a decode step launches:
+  vLLM 0.6.3's CUDA kernels (``vllm/attention/ops/paged_attn.py`` picks v1 or v2: one thread
+  block per (query head, sequence), and per 512-token partition in v2) and the course's
+  Triton kernel (one program per (sequence, KV head, split)).
+* :func:`block_table_costs` -- what the block table costs per decode step at each block size:
+  lookups, the int32 table a step copies to the GPU, K/V bytes read, slots left empty.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+
+from course_lib.kernels.tiles import cdiv, decode_tiles
 
 
 def _num_logical_blocks(seq_len: int, block_size: int) -> int:
@@ -26,8 +39,8 @@ def _num_logical_blocks(seq_len: int, block_size: int) -> int:
 
 
 def article_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
-                         value_cache: torch.Tensor, block_table: list[int],
-                         seq_len: int) -> torch.Tensor:
+                            value_cache: torch.Tensor, block_table: list[int],
+                            seq_len: int) -> torch.Tensor:
     """The article's loop, literally (wrong: softmax over one score at a time)."""
     num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -97,3 +110,84 @@ def online_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,
             m = m_new
         out[h] = acc / l_sum
     return out
+
+
+# ------------------------------------------------------------------ kernel grids compared
+V0_PARTITION_SIZE = 512   # vLLM 0.6.3 paged_attn.py: _PARTITION_SIZE, tokens per v2 program
+
+
+class KernelGrid(NamedTuple):
+    """The programs (CUDA thread blocks) one decode step launches for one layer."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    query_heads_per_program: int
+    tokens_per_program: int       # at most: a program's slice of the longest context
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
+
+
+def v0_decode_grid(num_seqs: int, num_heads: int, max_seq_len: int) -> KernelGrid:
+    """vLLM 0.6.3's choice between its two CUDA decode kernels (``PagedAttention
+    .forward_decode``): v1, grid ``(num_heads, num_seqs, 1)``, when ``max_seq_len <= 8192``
+    and either one partition suffices or ``num_seqs * num_heads > 512``; otherwise v2, grid
+    ``(num_heads, num_seqs, partitions)`` plus a reduce kernel over the partitions."""
+    partitions = cdiv(max_seq_len, V0_PARTITION_SIZE)
+    if max_seq_len <= 8192 and (partitions == 1 or num_seqs * num_heads > 512):
+        return KernelGrid("vLLM 0.6.3 paged_attention_v1", (num_heads, num_seqs, 1), 1,
+                          max_seq_len)
+    return KernelGrid("vLLM 0.6.3 paged_attention_v2", (num_heads, num_seqs, partitions), 1,
+                      min(max_seq_len, V0_PARTITION_SIZE))
+
+
+def course_decode_grid(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                       max_seq_len: int, num_sms: int = 132) -> KernelGrid:
+    """The course's Triton decode kernel on a GPU with ``num_sms`` SMs (``tiles.decode_tiles``):
+    grid ``(num_seqs, num_kv_heads, num_splits)``; a program serves its KV head's whole GQA
+    group of query heads (plus a small log-sum-exp reduce kernel when it splits)."""
+    t = decode_tiles(head_dim=head_dim, group=num_heads // num_kv_heads,
+                     max_seq_len=max_seq_len, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
+                     interpreted=False, num_sms=num_sms)
+    return KernelGrid("course paged_decode", (num_seqs, num_kv_heads, t.num_splits),
+                      num_heads // num_kv_heads, min(max_seq_len, t.tokens_per_split))
+
+
+# ---------------------------------------------------------------- block-table overhead
+class BlockTableCost(NamedTuple):
+    """One decode step of a batch at one block size."""
+
+    block_size: int
+    entries: int          # block-table entries the batch uses: sum of ceil(len / block_size)
+    table_bytes: int      # int32 table of num_seqs rows x ceil(max_model_len / block_size)
+    kv_bytes: int         # K/V bytes the step reads (every cached token, every layer)
+    waste_fraction: float  # slots held but empty (the last block of each sequence)
+
+    @property
+    def table_to_kv(self) -> float:
+        """Table bytes copied per step over K/V bytes read per step."""
+        return self.table_bytes / self.kv_bytes
+
+
+def block_table_costs(seq_lens: Sequence[int], block_sizes: Sequence[int],
+                      kv_bytes_per_token: int, max_model_len: int) -> list[BlockTableCost]:
+    """The block table's size against the K/V a decode step reads, per block size.
+
+    The table a step hands the kernels is int32, one row per sequence, padded to
+    ``ceil(max_model_len / block_size)`` columns (what vLLM V1's ``BlockTable`` keeps and
+    copies to the GPU each step). ``kv_bytes_per_token``: all layers
+    (``capacity.kv_bytes_per_token``)."""
+    if not seq_lens or min(seq_lens) < 1:
+        raise ValueError("seq_lens must hold at least one length, each >= 1")
+    if max(seq_lens) > max_model_len:
+        raise ValueError(f"a sequence is longer than max_model_len={max_model_len}")
+    rows = []
+    for bs in block_sizes:
+        if bs < 1:
+            raise ValueError(f"block sizes must be >= 1, got {bs}")
+        entries = sum(cdiv(n, bs) for n in seq_lens)
+        rows.append(BlockTableCost(bs, entries, 4 * len(seq_lens) * cdiv(max_model_len, bs),
+                                   kv_bytes_per_token * sum(seq_lens),
+                                   1 - sum(seq_lens) / (entries * bs)))
+    return rows

@@ -14,12 +14,15 @@ block is white.
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Rectangle
 
+from course_lib import capacity as cap
 from course_lib.memory import BlockManager
 
 FREE, HELD, SHARED, CACHED = "free", "held", "shared", "cached"
@@ -256,6 +259,95 @@ def draw_static_vs_paged(used: Sequence[int], reserved: int, view: PoolView,
                                for k, v in view.tables.items()), fontsize=9)
     del centres
     return fig
+
+
+def draw_block_across_layers(spec: cap.ModelSpec, block_id: int = 3, num_blocks: int = 8,
+                             block_size: int = 16, layers_shown: int = 3) -> Figure:
+    """One block id in every layer: a K row and a V row of ``num_blocks`` blocks per layer (the
+    first ``layers_shown - 1`` layers and the last), block ``block_id`` highlighted in each; the
+    title sums its bytes over all layers (K/V models only)."""
+    if spec.is_mla:
+        raise ValueError(f"{spec.name} caches an MLA latent, not K and V blocks")
+    if not 0 <= block_id < num_blocks or not 2 <= layers_shown <= spec.num_layers:
+        raise ValueError(f"need 0 <= block_id < num_blocks and 2 <= layers_shown <= "
+                         f"{spec.num_layers}, got {block_id}, {num_blocks}, {layers_shown}")
+    k = cap.k_block_bytes_per_layer(spec, block_size)
+    layers = [*range(layers_shown - 1), spec.num_layers - 1]
+    n = len(layers)
+    fig = Figure(figsize=(7.5, 0.9 + 0.75 * n))
+    ax = fig.add_subplot()
+    for r, layer in enumerate(layers):
+        y = 2.4 * (n - 1 - r) + (1.0 if r < n - 1 else 0.0)   # a gap before the last layer
+        for dy, kind in ((1, "K"), (0, "V")):
+            ax.text(-0.2, y + dy + 0.45, f"layer {layer} {kind}", ha="right", va="center",
+                    fontsize=7)
+            for b in range(num_blocks):
+                hit = b == block_id
+                ax.add_patch(Rectangle((b + 0.05, y + dy + 0.05), 0.9, 0.8, edgecolor="black",
+                                       facecolor="C0" if hit else "white", linewidth=0.6))
+                ax.text(b + 0.5, y + dy + 0.45, f"#{b}", ha="center", va="center", fontsize=6,
+                        color="white" if hit else "black")
+        ax.text(num_blocks + 0.2, y + 0.95, f"K+V {cap.format_bytes(2 * k)}", va="center",
+                fontsize=7)
+    ax.text(num_blocks / 2, 2.7, f"... {spec.num_layers - n} more layers ...", ha="center",
+            va="center", fontsize=7)
+    ax.set_xlim(-2.2, num_blocks + 2.0)
+    ax.set_ylim(-0.2, 2.4 * (n - 1) + 3.2)
+    ax.set_axis_off()
+    k_text, total = cap.format_bytes(k), cap.format_bytes(cap.block_bytes(spec, block_size))
+    ax.set_title(f"{spec.name}, block_size {block_size}: block #{block_id} = K {k_text} + V "
+                 f"{k_text} in each of {spec.num_layers} layers = {total}", fontsize=9)
+    return fig
+
+
+class ComponentRow(NamedTuple):
+    """One component of the Block Manager tutorial's §3.1 table, then (vLLM 0.6.3) and now."""
+    component: str
+    role: str
+    course: str     # course_lib names (dotted paths under course_lib, checked by the tests)
+    v0: str         # vLLM 0.6.3's (V0) class and file
+    v1: str         # vLLM 0.33.0's (V1) class and file
+
+
+ARTICLE_COMPONENTS = (
+    ComponentRow("Block Allocator (GPU)", "hands out and takes back the GPU pool's blocks",
+                 "memory.pool.BlockAllocator (BlockManager.gpu); V1 twin: "
+                 "memory.block_pool.BlockPool",
+                 "NaiveBlockAllocator / PrefixCachingBlockAllocator inside CpuGpuBlockAllocator "
+                 "(vllm/core/block/cpu_gpu_block_allocator.py)",
+                 "BlockPool (vllm/v1/core/block_pool.py) over FreeKVCacheBlockQueue "
+                 "(vllm/v1/core/kv_cache_utils.py)"),
+    ComponentRow("Block Allocator (CPU)", "a CPU pool that holds swapped-out blocks",
+                 "memory.pool.BlockAllocator (BlockManager.cpu, used by swap_out / swap_in)",
+                 "the CPU half of CpuGpuBlockAllocator "
+                 "(vllm/core/block/cpu_gpu_block_allocator.py)",
+                 "none: V1 preempts by recompute, never swaps; an optional CPU offload of "
+                 "cached blocks lives in vllm/v1/kv_offload/"),
+    ComponentRow("Block Table", "maps a sequence's logical blocks to physical ones",
+                 "memory.block_table.BlockTable; V1 twin: the req_to_blocks of "
+                 "memory.kv_cache_manager.KVCacheManager",
+                 "BlockTable (vllm/core/block/block_table.py)",
+                 "req_to_blocks in SingleTypeKVCacheManager "
+                 "(vllm/v1/core/single_type_kv_cache_manager.py); the GPU copy the kernels "
+                 "read: BlockTable (vllm/v1/worker/block_table.py)"),
+    ComponentRow("Evictor", "picks which cached free block to reuse first (LRU)",
+                 "memory.pool.BlockAllocator.evictable_block_ids (an LRU OrderedDict)",
+                 "LRUEvictor (vllm/core/evictor_v2.py)",
+                 "no separate object: FreeKVCacheBlockQueue's order is the LRU, and "
+                 "BlockPool.get_new_blocks drops a reused block's hash "
+                 "(vllm/v1/core/block_pool.py)"),
+)
+
+
+def component_table(rows: Sequence[ComponentRow] = ARTICLE_COMPONENTS) -> str:
+    """The §3.1 components as text: role, course_lib name, vLLM 0.6.3 and vLLM 0.33.0."""
+    lines = []
+    for r in rows:
+        lines.append(f"{r.component}: {r.role}")
+        for name, text in (("course_lib", r.course), ("vLLM 0.6.3", r.v0), ("vLLM 0.33.0", r.v1)):
+            lines += textwrap.wrap(text, 96, initial_indent=f"  {name:<12} ",
+                                   subsequent_indent=" " * 15)
+    return "\n".join(lines)
 
 
 def figure_png(fig: Figure, dpi: int = 80) -> bytes:

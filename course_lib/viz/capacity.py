@@ -281,12 +281,24 @@ class ExplorerState:
                                  block_size=self.block_size,
                                  tensor_parallel_size=self.tensor_parallel_size)
 
-    def summary(self) -> str:
-        """vLLM-style sizing lines, or the library's error when the model does not fit."""
+    def max_model_len_warning(self) -> str:
+        """'' when vLLM accepts max_model_len for this model; otherwise why it refuses
+        (course_lib.capacity.verify_max_model_len)."""
         try:
-            return self.plan().summary(self.max_model_len)
+            cap.verify_max_model_len(cap.get_preset(self.preset), self.max_model_len)
         except ValueError as exc:
-            return f"does not start: {exc}"
+            return f"warning: {exc}"
+        return ""
+
+    def summary(self) -> str:
+        """vLLM-style sizing lines, or the library's error when the model does not fit; a
+        last line warns when max_model_len is longer than the model allows."""
+        try:
+            text = self.plan().summary(self.max_model_len)
+        except ValueError as exc:
+            text = f"does not start: {exc}"
+        warning = self.max_model_len_warning()
+        return f"{text}\n{warning}" if warning else text
 
 
 def figure_png(fig: Figure) -> bytes:

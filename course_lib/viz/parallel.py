@@ -97,8 +97,9 @@ def draw_move_q_vs_kv(spec: cap.ModelSpec, context_lens: list[int], cp_size: int
     return fig
 
 
-def draw_plan(p: strategy.DeploymentPlan, context_len: int) -> Figure:
-    """Tokens per GPU, longest single request and the target context, on one axis."""
+def draw_plan(p: strategy.DeploymentPlan, context_len: int, label: str = "") -> Figure:
+    """Tokens per GPU, longest single request and the target context, on one axis; ``label``
+    starts the title. A request longer than the model's context is drawn red."""
     fig = Figure(figsize=(7.5, 2.8))
     ax = fig.add_subplot()
     labels = ["tokens per GPU", f"longest request (x CP={p.context_parallel_size})",
@@ -109,21 +110,34 @@ def draw_plan(p: strategy.DeploymentPlan, context_len: int) -> Figure:
     for bar, v in zip(bars, values, strict=True):
         ax.annotate(f" {v:,}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
                     va="center", fontsize=8)
-    ax.axvline(context_len, color="k", linestyle="--", linewidth=1,
-               label=f"request: {context_len:,} tokens")
+    limit = p.model.max_position_embeddings
+    beyond = 0 < limit < context_len
+    ax.axvline(context_len, color="C3" if beyond else "k", linestyle="--", linewidth=1,
+               label=f"request: {context_len:,} tokens"
+                     + (f" > the model's context ({limit:,})" if beyond else ""))
     ax.legend(fontsize=8, loc="lower right")
     ax.set_xlim(0, max(*values, context_len) * 1.35)
-    ax.xaxis.set_major_formatter(lambda v, _: f"{v:,.0f}")
-    ax.set_title(f"{p.model.name}: {p.num_gpus} GPU(s), TP={p.tensor_parallel_size}, "
-                 f"CP={p.context_parallel_size}: {'fits' if fits else 'does NOT fit'}",
-                 fontsize=10)
+    ax.xaxis.set_major_formatter(_tokens)
+    verdict = ("fits" if fits else "does NOT fit") + (
+        " in memory,\nbut vLLM refuses the request: it is longer than the model's context"
+        if beyond else "")
+    ax.set_title(f"{label}{p.model.name}: {p.num_gpus} GPU(s), TP={p.tensor_parallel_size}, "
+                 f"CP={p.context_parallel_size}: {verdict}", fontsize=10,
+                 color="C3" if beyond else "k")
     ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     return fig
 
 
-GPU_MEMORY_GIB = (24, 40, 48, 80, 141)
-CONTEXT_LENS = (32_768, 131_072, 200_000, 1_000_000, 2_000_000)
+def _tokens(value: float, _pos: object = None) -> str:
+    """A tick label: 750K, 1.5M."""
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:g}M"
+    return f"{value / 1e3:g}K" if abs(value) >= 1e3 else f"{value:g}"
+
+
+GPU_MEMORY_GIB = (24, 40, 48, 80, cap.H200_MEMORY_GIB)   # H200: nvidia-smi's 143,771 MiB
+CONTEXT_LENS = (4_096, 32_768, 131_072, 200_000, 1_000_000, 2_000_000)
 
 
 class StrategyExplorer:
@@ -132,16 +146,20 @@ class StrategyExplorer:
     State: ``plan`` (a :class:`~course_lib.parallel.strategy.DeploymentPlan`, or None with
     ``error`` set when the weights do not fit), ``recommendation`` (the decision tree's
     answer for the same model, memory and request), ``text`` and ``png`` (what is shown).
+    CP is the article's (extra GPUs). A request longer than the model's context
+    (``ModelSpec.max_position_embeddings``) is flagged in the figure and the text: vLLM would
+    refuse it, so the plans only answer the memory question.
     """
 
-    def __init__(self, model: str = "deepseek-v3", gpu_memory_gib: int = 141,
+    def __init__(self, model: str = "deepseek-v3",
+                 gpu_memory_gib: float = cap.H200_MEMORY_GIB,
                  num_gpus: int = 8, tp: int = 1, cp: int = 4, gpu_memory_utilization: float = 0.9,
                  context_len: int = 1_000_000) -> None:
         spec = cap.get_preset(model)
         self.model = widgets.Dropdown(options=[(s.name, k) for k, s in cap.PRESETS.items()],
                                       value=model.lower(), description="model")
-        self.memory = widgets.Dropdown(options=GPU_MEMORY_GIB, value=gpu_memory_gib,
-                                       description="GPU GiB")
+        self.memory = widgets.Dropdown(options=[(strategy.gib(g), g) for g in GPU_MEMORY_GIB],
+                                       value=gpu_memory_gib, description="GPU GiB")
         self.gpus = widgets.Dropdown(options=(1, 2, 4, 8, 16), value=num_gpus,
                                      description="GPUs")
         self.tp = widgets.Dropdown(options=self._tp_options(spec), value=tp, description="TP")
@@ -186,15 +204,15 @@ class StrategyExplorer:
         self.recommendation = strategy.recommend(spec, self.context.value, self.memory.value,
                                                  max_gpus=self.gpus.value)
         if self.plan is not None:
-            fig = draw_plan(self.plan, self.context.value)
-            self.text = self.plan.summary()
+            fig = draw_plan(self.plan, self.context.value, "your plan: ")
+            self.text = "your plan: " + self.plan.summary()
         else:
             fig = Figure(figsize=(7.5, 1.2))
             fig.text(0.5, 0.5, "no plan: " + (self.error or "")[:90], ha="center",
                      color="C3", fontsize=9)
-            self.text = f"does not fit: {self.error}"
-        self.text += f"\n\ndecision tree for a {self.context.value:,}-token request:\n"
-        self.text += str(self.recommendation)
+            self.text = f"your plan does not fit: {self.error}"
+        self.text += (f"\n\nrecommended by the decision tree for a {self.context.value:,}-token "
+                      f"request:\n{self.recommendation}")
         self.png = figure_png(fig)
         self.image.value = self.png
         self.html.value = f"<pre style='font-size:11px'>{html.escape(self.text)}</pre>"
