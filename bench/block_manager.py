@@ -1,93 +1,254 @@
-"""Block-manager throughput: operations per CPU-second on a synthetic serving trace.
+"""Block-manager speed as the scheduler drives it: work per CPU-second, against a baseline.
 
-The trace: 2,000 requests whose prompts start with one of a few shared 512-token system
-prompts (prefix caching on, so those blocks are hits), then a private suffix; 64 requests
-live at once, each decoding 16-112 tokens one ``append_slots`` call at a time, then freed.
-An *operation* is one allocate, append_slots or free call. A second table repeats the run
-with GPU pools from 1k to 1M blocks: paging's operations are O(1), so the cost per operation
-should stay flat.
+**Headline (the scheduler's path).** The real scheduler (V0's ``Scheduler``, or V1's
+``SchedulerV1`` over the hash chain or the radix tree) runs a trace with the model-free sampler,
+and every call it makes on its KV-cache manager is recorded (arguments, results). The bench then
+replays exactly that call sequence on a fresh manager and times the replay alone (CPU time),
+so the figure is the manager's cost under the scheduler's call pattern, nothing else. Work is
+counted in scheduler events, the same for every version: sequences scheduled in a step (a
+prefill chunk or a decode token) plus sequences freed.
 
-    python bench/block_manager.py            # full run (about a minute on 2 cores)
-    python bench/block_manager.py --quick    # smaller trace, for a smoke test
+The trace: 600 requests, each prompt one of 4 shared 512-token system prompts plus 16-128
+private tokens, 16-112 output tokens, every 4th request sampled with ``n`` = 2 or 4; 64
+sequences at most per step, budget 4096 tokens, block_size 16, prefix caching on (and off).
+
+**Baseline.** ``--baseline REV`` extracts ``course_lib`` of git revision REV, records REV's own
+scheduler on the same trace, checks that both versions leave the same block tables, free
+blocks and hits after every step, and replays both in interleaved rounds (fresh processes),
+printing the median ratio and its spread.
+
+**Leaner pattern** (labelled as such): the old bench's loop (allocate, mark, append, free),
+without the scheduler's checks and table copies.
+
+    python bench/block_manager.py                       # this tree: V0, V1, radix; pool sweep
+    python bench/block_manager.py --baseline HEAD~3     # ratio against a revision
+    python bench/block_manager.py --quick               # small trace, for a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import json
+import pickle
 import platform
 import random
+import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
-from collections import deque
+from io import BytesIO
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+DESIGNS = ("v0", "v1", "radix")
 
-from course_lib.memory import AllocStatus, BlockManager  # noqa: E402
 
-
-def make_trace(num_requests: int, seed: int = 0, num_prefixes: int = 4, prefix_len: int = 512):
-    """[(prompt token ids, decode length)]: shared prefix + 16..128 private tokens."""
+# ------------------------------------------------------------------ the trace (pure data)
+def make_trace(num_requests: int, seed: int = 0) -> list[tuple[list[int], int, int]]:
+    """[(prompt token ids, max_tokens, n)]: shared prefix + private suffix, some n > 1."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(32000) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prefixes = [[rng.randrange(32000) for _ in range(512)] for _ in range(4)]
     trace = []
-    for _ in range(num_requests):
+    for i in range(num_requests):
         suffix = [rng.randrange(32000) for _ in range(rng.randint(16, 128))]
-        trace.append((rng.choice(prefixes) + suffix, rng.randint(16, 112)))
+        n = rng.choice((2, 4)) if i % 4 == 3 else 1
+        trace.append((rng.choice(prefixes) + suffix, rng.randint(16, 112), n))
     return trace
 
 
-def run(trace, num_gpu_blocks: int, max_live: int = 64, block_size: int = 16,
-        caching: bool = True) -> dict:
-    """Replay the trace; returns op counts and CPU seconds spent inside the manager's calls."""
-    m = BlockManager(block_size, num_gpu_blocks, enable_prefix_caching=caching, watermark=0.0)
-    # Like vLLM after start-up, move long-lived objects out of the cyclic GC's sight, so that
-    # collections triggered by the trace don't rescan a pool-sized free list each time.
+# ------------------------------------------------------- worker side (runs in a subprocess)
+class Recorder:
+    """Stands in for the manager: forwards every call and attribute read, and logs it."""
+
+    def __init__(self, target, log: list) -> None:
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_log", log)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._target, name)
+        if not callable(value):
+            self._log.append((name, None, None))          # a property or attribute read
+            return value
+
+        def call(*args, **kwargs):
+            args = tuple(list(a) if hasattr(a, "__next__") else a for a in args)   # generators
+            self._log.append((name, pickle.loads(pickle.dumps(args)), dict(kwargs)))
+            return value(*args, **kwargs)
+        return call
+
+
+def _scheduler(design: str, blocks: int, caching: bool):
+    from course_lib.config import CacheConfig, SchedulerConfig
+    from course_lib.scheduler import Scheduler, SchedulerV1
+
+    sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=4096)
+    kw = {"prefix_cache": "radix"} if design == "radix" else {}
+    cc = CacheConfig(block_size=16, num_gpu_blocks=blocks, watermark=0.0,
+                     enable_prefix_caching=caching, **kw)
+    return (Scheduler if design == "v0" else SchedulerV1)(sc, cc)
+
+
+def _digest(bm) -> tuple:
+    """What both versions must agree on after every step: the tables, free blocks and hits,
+    and for V0 the next 64 blocks the free stack and the eviction order would hand out."""
+    tables = tuple(sorted((s, tuple(bm.get_block_table(s))) for s in bm.seq_ids()))
+    pool = getattr(bm, "gpu", None)
+    order = ()
+    if pool is not None:
+        evictable = iter(pool._evictable)
+        order = (tuple(pool._free[-64:]), tuple(next(evictable, None) for _ in range(64)))
+    return tables, bm.num_free_gpu_blocks, tuple(bm.prefix_cache_stats), order
+
+
+def record(design: str, num_requests: int, blocks: int, caching: bool,
+           digests: bool = True) -> dict:
+    from course_lib.sequence import SamplingParams
+    from course_lib.sim.fake_sampler import fake_samples
+
+    s = _scheduler(design, blocks, caching)
+    real, log = s.block_manager, []
+    proxy = Recorder(real, log)
+    s.block_manager = proxy
+    if hasattr(s, "kv_cache_manager"):
+        s.kv_cache_manager = proxy
+    for i, (prompt, max_tokens, n) in enumerate(make_trace(num_requests)):
+        s.add_request(i, prompt, SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0))
+    keep, kept, work, step = digests, [], 0, 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        finished = s.update(out, fake_samples(out), float(step))
+        work += len(out.scheduled) + sum(len(r.seqs) for r in finished)
+        work += sum(1 for _ in out.preempted)
+        if keep:
+            kept.append(_digest(real))
+        step += 1
+    return {"log": log, "ctor": (type(real).__name__, blocks, caching), "work": work,
+            "digests": kept, "steps": step, "calls": len(log)}
+
+
+def _manager(ctor):
+    import course_lib.memory as memory
+
+    name, blocks, caching = ctor
+    cls = getattr(memory, name)
+    if name == "BlockManager":
+        return cls(16, blocks, 0, 0.0, caching)
+    return cls(16, blocks, caching, 0.0)
+
+
+def replay(rec: dict, check: bool = False) -> float:
+    """CPU seconds to replay the recorded calls on a fresh manager (its invariants checked at
+    the end when ``check``). The loop is one bound call per recorded call, nothing else."""
+    m, hits = _manager(rec["ctor"]), {}
+    ops = []
+    for name, args, kwargs in rec["log"]:
+        if args is None:                                 # a property or attribute read
+            attr = getattr(type(m), name, None)
+            ops.append((attr.fget, (m,)) if isinstance(attr, property)
+                       else (getattr, (m, name)))
+            continue
+        fn = getattr(m, name)
+        if kwargs:
+            fn = functools.partial(fn, **kwargs)
+        if name == "get_computed_blocks":                # V1: keep the hits for allocate_slots
+            fn = functools.partial(_remember, hits, fn)
+        elif name == "allocate_slots" and len(args) > 4 and args[4]:
+            fn, args = functools.partial(_with_hits, hits, fn), args
+        ops.append((fn, args))
     gc.collect()
     gc.freeze()
-    waiting = deque(enumerate(trace))
-    live: dict[int, list] = {}        # seq_id -> [tokens left to decode, next token]
-    ops = {"allocate": 0, "append": 0, "free": 0}
-    alloc, append, free = m.allocate, m.append_slots, m.free
-    clock = time.process_time
-    spent = 0.0
+    t0 = time.process_time()
+    for fn, args in ops:
+        fn(*args)
+    spent = time.process_time() - t0
+    gc.unfreeze()
+    if check:
+        m.check_invariants()
+    return spent
+
+
+def _remember(hits: dict, fn, seq_id, *args, **kwargs):
+    hits[seq_id] = out = fn(seq_id, *args, **kwargs)
+    return out
+
+
+def _with_hits(hits: dict, fn, seq_id, tokens, computed, new, _recorded, *rest, **kwargs):
+    return fn(seq_id, tokens, computed, new, hits[seq_id][0], *rest, **kwargs)
+
+
+def lean(blocks: int, caching: bool) -> tuple[int, float]:
+    """The old bench's loop (not the scheduler's pattern): allocate + mark, append, free."""
+    from course_lib.memory import AllocStatus, BlockManager
+
+    m = BlockManager(16, blocks, 0, 0.0, caching)
+    trace, waiting, live, ops = make_trace(600), None, {}, 0
+    waiting = list(enumerate(trace))[::-1]
+    t0 = time.process_time()
     while waiting or live:
-        t0 = clock()
-        while waiting and len(live) < max_live and m.can_allocate(len(waiting[0][1][0])) \
-                is AllocStatus.OK:
-            seq_id, (prompt, out_len) = waiting.popleft()
-            alloc(seq_id, prompt)
+        while waiting and len(live) < 64 and m.can_allocate(waiting[-1][1][0]) is AllocStatus.OK:
+            seq_id, (prompt, out_len, _) = waiting.pop()
+            m.allocate(seq_id, prompt)
             m.mark_blocks_as_computed(seq_id, len(prompt))
-            live[seq_id] = [out_len, seq_id]
-            ops["allocate"] += 1
+            live[seq_id] = [out_len, len(prompt)]
+            ops += 1
         for seq_id in list(live):
             state = live[seq_id]
-            if not m.can_append_slots(seq_id):       # out of blocks: preempt by recompute
-                free(seq_id)
-                ops["free"] += 1
+            if not m.can_append_slots(seq_id):
+                m.free(seq_id)
                 del live[seq_id]
-                waiting.appendleft((seq_id, trace[seq_id]))
+                waiting.append((seq_id, trace[seq_id]))
                 continue
-            append(seq_id, (state[1],))
+            m.append_slots(seq_id, (state[1],))
             state[1] += 1
             state[0] -= 1
-            ops["append"] += 1
+            ops += 1
             if state[0] == 0:
-                free(seq_id)
-                ops["free"] += 1
+                m.free(seq_id)
                 del live[seq_id]
-        spent += clock() - t0
-    gc.unfreeze()
-    m.check_invariants()
-    assert m.num_free_gpu_blocks == num_gpu_blocks
-    total = sum(ops.values())
-    return {**ops, "total": total, "cpu_s": spent, "ops_per_s": total / spent,
-            "us_per_op": 1e6 * spent / total, "hit_rate": m.prefix_cache_stats.hit_rate}
+                ops += 1
+    return ops, time.process_time() - t0
+
+
+def worker(argv: list[str]) -> None:
+    root, cmd = argv[0], argv[1]
+    sys.path.insert(0, root)
+    if cmd == "record":
+        design, n, blocks, caching, path = argv[2], int(argv[3]), int(argv[4]), argv[5] == "1", \
+            argv[6]
+        rec = record(design, n, blocks, caching, digests=argv[7] == "1")
+        with open(path, "wb") as f:
+            pickle.dump(rec, f)
+        print(json.dumps({k: rec[k] for k in ("work", "steps", "calls")}))
+    elif cmd == "replay":
+        with open(argv[2], "rb") as f:
+            rec = pickle.load(f)
+        print(json.dumps({"cpu_s": replay(rec, check=argv[3] == "1")}))
+    elif cmd == "lean":
+        ops, spent = lean(int(argv[2]), argv[3] == "1")
+        print(json.dumps({"ops": ops, "cpu_s": spent}))
+
+
+# ------------------------------------------------------------------------- driver side
+def run_worker(root: Path, *args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--worker", str(root), *args], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def extract(rev: str, into: Path) -> Path:
+    """``course_lib`` of a git revision, in a folder of its own."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "course_lib"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
 
 
 def cpu_name() -> str:
-    """The CPU model, so printed figures say what they were measured on."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -97,29 +258,91 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def check_same(digests: dict[str, list]) -> None:
+    """The versions must leave the same tables, free blocks, hits (and, for V0, the same free
+    stack and eviction order) after every step: a faster version that schedules differently
+    is not the same work."""
+    (first, want), *rest = digests.items()
+    for label, got in rest:
+        if got != want:
+            step = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                        min(len(want), len(got)))
+            raise AssertionError(f"{label} and {first} differ after step {step} "
+                                 f"({len(got)} vs {len(want)} steps)")
+
+
+def compare(roots: dict[str, Path], design: str, n: int, blocks: int, caching: bool,
+            rounds: int, tmp: Path) -> dict[str, list[float]]:
+    """Record each version, check they agree step by step, replay interleaved."""
+    recs, meta = {}, {}
+    for label, root in roots.items():
+        recs[label] = tmp / f"{label}-{design}-{blocks}-{caching}.pkl"
+        meta[label] = run_worker(root, "record", design, str(n), str(blocks),
+                                 "1" if caching else "0", str(recs[label]),
+                                 "1" if len(roots) > 1 else "0")
+    if len(roots) > 1:
+        check_same({label: pickle.loads(p.read_bytes())["digests"]
+                    for label, p in recs.items()})
+    for label, root in roots.items():           # one checked run (invariants) per version
+        run_worker(root, "replay", str(recs[label]), "1")
+    times: dict[str, list[float]] = {label: [] for label in roots}
+    for _ in range(rounds):
+        for label, root in roots.items():
+            times[label].append(run_worker(root, "replay", str(recs[label]), "0")["cpu_s"])
+    return {label: [meta[label]["work"] / t for t in ts] for label, ts in times.items()} | {
+        "calls": {label: meta[label]["calls"] for label in roots}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="200 requests instead of 2,000")
+    parser.add_argument("--quick", action="store_true", help="150 requests, 2 rounds")
+    parser.add_argument("--baseline", help="a git revision to compare with")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    n = 200 if args.quick else 2000
-    trace = make_trace(n)
-    print(f"trace: {n} requests, 4 shared 512-token prefixes, block_size 16, 64 live, "
-          f"16-112 decode tokens")
-    print(f"machine: {cpu_name()}, python {sys.version.split()[0]}, one thread, CPU time")
-    for caching in (True, False):
-        r = run(trace, num_gpu_blocks=8192, caching=caching)
-        print(f"prefix caching {'on ' if caching else 'off'}: {r['total']:,} ops "
-              f"(allocate {r['allocate']:,}, append {r['append']:,}, free {r['free']:,}) in "
-              f"{r['cpu_s']:.3f} CPU-s = {r['ops_per_s']:,.0f} ops/CPU-s, "
-              f"{r['us_per_op']:.2f} us/op, prefix hit rate {r['hit_rate']:.1%}")
-    print("\npool size sweep (prefix caching on):")
-    print(f"{'num_gpu_blocks':>15} {'ops/CPU-s':>12} {'us/op':>8} {'vs 1k':>7}")
-    base = None
-    for num_blocks in (1_000, 10_000, 100_000, 1_000_000):
-        best = min((run(trace, num_blocks) for _ in range(3)), key=lambda r: r["us_per_op"])
-        base = base or best["us_per_op"]
-        print(f"{num_blocks:>15,} {best['ops_per_s']:>12,.0f} {best['us_per_op']:>8.2f} "
-              f"{best['us_per_op'] / base:>6.2f}x")
+    if args.worker:
+        worker(args.worker)
+        return
+    n, rounds = (150, 2) if args.quick else (600, args.rounds)
+    print(f"machine: {cpu_name()}, python {sys.version.split()[0]}, one process per replay, "
+          f"CPU time of the replayed calls only")
+    print(f"trace: {n} requests, 4 shared 512-token prefixes, 1 in 4 with n = 2 or 4, "
+          f"16-112 output tokens; block_size 16, 64 seqs and 4096 tokens per step")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        roots = {"this tree": ROOT}
+        if args.baseline:
+            roots = {args.baseline: extract(args.baseline, tmp / "base"), **roots}
+        designs = ("v0",) if args.baseline else DESIGNS
+        print("\nheadline: the scheduler's own calls, work (seqs scheduled + freed) per CPU-s")
+        for design in designs:
+            for caching in (True, False):
+                if design == "radix" and not caching:
+                    continue
+                r = compare(roots, design, n, 2048, caching, rounds, tmp)
+                cells = [f"{label}: {statistics.median(v):,.0f}/s ({r['calls'][label]:,} calls)"
+                         for label, v in r.items() if label != "calls"]
+                line = f"  {design:5} caching {'on ' if caching else 'off'}  " + "; ".join(cells)
+                if args.baseline:
+                    base, work = r[args.baseline], r["this tree"]
+                    ratios = [w / b for w, b in zip(work, base, strict=True)]
+                    line += (f"  -> x{statistics.median(work) / statistics.median(base):.2f} "
+                             f"(per round {min(ratios):.2f}-{max(ratios):.2f}, {rounds} rounds)")
+                print(line)
+        if args.baseline:
+            return
+        print("\nleaner pattern, not the scheduler's (the old bench's loop), V0, this tree:")
+        for caching in (True, False):
+            res = run_worker(ROOT, "lean", "2048", "1" if caching else "0")
+            print(f"  caching {'on ' if caching else 'off'}: {res['ops'] / res['cpu_s']:,.0f} "
+                  f"ops/CPU-s")
+        print("\npool size sweep (V0, scheduler path, caching on): cost per unit of work")
+        base = None
+        for blocks in (1_000, 10_000, 100_000, 1_000_000):
+            r = compare({"this tree": ROOT}, "v0", n, blocks, True, rounds, tmp)["this tree"]
+            us = 1e6 / statistics.median(r)
+            base = base or us
+            print(f"  {blocks:>9,} blocks: {us:6.2f} us per unit  ({us / base:.2f}x of 1k)")
 
 
 if __name__ == "__main__":

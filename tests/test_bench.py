@@ -4,14 +4,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_block_manager_bench_runs_quick():
     out = subprocess.run([sys.executable, "bench/block_manager.py", "--quick"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "prefix caching on" in out and "ops/CPU-s" in out
-    assert out.count("x\n") == 4, out    # one row per pool size in the sweep
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert out.count("/s (") == 5, out                # V0 and V1 on and off, radix on
+    assert "leaner pattern, not the scheduler's" in out
+    assert out.count("of 1k)") == 4, out              # one row per pool size in the sweep
+
+
+def test_block_manager_bench_compares_a_revision_and_checks_the_same_work():
+    """--baseline HEAD: the committed code against the working tree, interleaved, after the
+    step-by-step check that both leave the same tables (which must trip on different work)."""
+    out = subprocess.run([sys.executable, "bench/block_manager.py", "--quick", "--baseline",
+                          "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         check=True).stdout
+    assert out.count("-> x") == 2, out
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import block_manager as bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    same = bench.record("v0", 20, 256, True)["digests"]
+    bench.check_same({"a": same, "b": list(same)})
+    other = bench.record("v0", 20, 64, True)["digests"]        # a smaller pool: other tables
+    with pytest.raises(AssertionError, match="differ after step"):
+        bench.check_same({"a": same, "b": other})
 
 
 def test_chaos_bench_runs_quick_and_leaks_nothing():

@@ -7,6 +7,8 @@ The random, stateful counterpart is tests/test_block_manager_stateful.py.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from memory_helpers import snapshot
 
 from course_lib.memory import (
@@ -657,3 +659,58 @@ def test_differs_from_v0_prefix_counters_survive_a_reset():
     assert before.hits == 8 and before.queries == 18
     assert m.reset_prefix_cache() is True
     assert m.prefix_cache_stats == before             # cumulative, like V1's counters
+
+
+# ------------------------------------------------ the scheduler's decode path, fused
+@settings(max_examples=150, deadline=None)
+@given(bs=st.sampled_from([1, 2, 4]), blocks=st.integers(3, 12), caching=st.booleans(),
+       ops=st.lists(st.tuples(st.sampled_from(["admit", "decode", "decode", "decode", "fork",
+                                               "split", "mark", "free"]),
+                              st.integers(0, 2), st.integers(1, 9)), min_size=10, max_size=80))
+def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
+    """``append_decode`` (one call per request) against what it fuses: ``num_blocks_to_append``
+    > free -> None, else ``append_slots`` per sequence and ``get_block_table``. Two managers
+    driven alike must give the same answers and end in the same state, whatever the sharing,
+    copy-on-write, caching and eviction."""
+    fused, plain = (BlockManager(bs, blocks, 0, 0.0, caching) for _ in range(2))
+    groups: dict[int, list[int]] = {}                 # group (0-2, split ones 3-11) -> seq ids
+    next_id = 100
+    for op, g, k in ops:
+        if op != "admit" and groups:                  # act on a live group
+            g = sorted(groups)[g % len(groups)]
+        if op == "admit" and g not in groups:
+            tokens = [1, 2, 3, 4, 5, 6, 7][:k % 7 + 1] + [g] * (k // 3)
+            if fused.can_allocate(tokens) is AllocStatus.OK:
+                for m in (fused, plain):
+                    m.allocate(g, tokens)
+                groups[g] = [g]
+        elif op == "decode" and g in groups:
+            ids, toks = groups[g], [k * 10 + i for i in range(len(groups[g]))]
+            got = fused.append_decode(ids, toks)
+            if plain.num_blocks_to_append(ids) > plain.num_free_gpu_blocks:
+                want = None
+            else:
+                copies = [c for s, t in zip(ids, toks, strict=True)
+                          for c in plain.append_slots(s, [t])]
+                want = (copies, [plain.get_block_table(s) for s in ids])
+            assert got == want
+        elif op == "fork" and g in groups and len(groups[g]) < 4:
+            for m in (fused, plain):
+                m.fork(groups[g][0], next_id)
+            groups[g].append(next_id)
+            next_id += 1
+        elif op == "split" and g in groups and len(groups[g]) > 1 and k + 2 not in groups:
+            groups[k + 2] = [groups[g].pop()]          # a sharer decoded on its own
+        elif op == "mark" and g in groups:
+            for s in groups[g]:
+                n = len(fused.get_table(s).token_ids)
+                for m in (fused, plain):
+                    m.mark_blocks_as_computed(s, n)
+        elif op == "free" and g in groups:
+            for s in groups.pop(g):
+                for m in (fused, plain):
+                    m.free(s)
+        assert snapshot(fused) == snapshot(plain)
+        fused.check_invariants()
+    with pytest.raises(ValueError, match="one token per sequence"):
+        fused.append_decode([1, 2], [3])

@@ -27,7 +27,7 @@ def common_full_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> i
     return n
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class BlockTable:
     """Plain state of one sequence in the block manager (the manager mutates it)."""
 

@@ -9,66 +9,33 @@ Names follow vLLM (v0's ``BlockSpaceManager`` for fork / copy-on-write / swap, v
 
     can_allocate / allocate(prompt)       -> blocks for the prompt, cache hits reused
     can_append_slots / append_slots(toks) -> a slot per new token; [(src, dst)] CoW copies
+    append_decode(seqs, tokens)           -> the same for one decode token per sequence, with
+                                             the room check and the tables (decode.py)
     mark_blocks_as_computed(n)            -> full computed blocks become prefix-cache entries
     fork(parent, child)                   -> the child shares every block (ref += 1)
     swap_out / swap_in(seqs)              -> [(src, dst)] copies between the GPU and CPU pools
     free(seq)                             -> blocks back to the pool (cached ones stay findable)
 
+Group allocation (``groups.py``), the decode hot path (``decode.py``) and swapping
+(``swap.py``) are mixed in from their own modules; the answers it gives are in ``usage.py``.
 Every method checks its input before it changes anything, so a rejected call (ValueError, or
 NoFreeBlocksError when the pool is short) leaves the manager exactly as it was.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
-from .block_table import BlockTable, cdiv, common_full_blocks
+from .block_table import BlockTable, cdiv
+from .decode import DecodePath
+from .groups import GroupAllocation
 from .pool import BlockAllocator, NoFreeBlocksError, PoolSnapshot
 from .prefix_cache import PrefixCache, typed_salt
+from .swap import SwapPath
+from .usage import AllocStatus, BlockUsage, PrefixCacheStats
 
-
-class AllocStatus(enum.Enum):
-    """Answer of ``can_allocate`` / ``can_swap_in`` (vLLM's names)."""
-    OK = "ok"          # fits now
-    LATER = "later"    # fits once other sequences free blocks
-    NEVER = "never"    # larger than the whole pool (minus the watermark): reject the request
-
-
-class BlockUsage(NamedTuple):
-    """How full one pool is: the figures the metrics, the replay and the engine all report."""
-
-    device: str
-    block_size: int
-    num_total_blocks: int
-    num_free_blocks: int         # includes cached blocks no sequence holds (evictable)
-    num_cached_free_blocks: int  # those evictable cached blocks
-    num_table_entries: int       # block-table entries: the blocks held if nothing were shared
-    num_filled_slots: int        # slots of held blocks that hold a token
-
-    @property
-    def num_held_blocks(self) -> int:
-        """Blocks some sequence holds (a shared block counts once)."""
-        return self.num_total_blocks - self.num_free_blocks
-
-    @property
-    def block_usage(self) -> float:
-        """Held blocks / total blocks (``vllm:gpu_cache_usage_perc``)."""
-        return self.num_held_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
-
-    @property
-    def token_usage(self) -> float:
-        """Slots holding a token / all slots of the pool."""
-        slots = self.num_total_blocks * self.block_size
-        return self.num_filled_slots / slots if slots else 0.0
-
-    @property
-    def sharing_saving(self) -> float:
-        """Share of block-table entries that sharing saves now: 1 - held / entries."""
-        if not self.num_table_entries:
-            return 0.0
-        return 1 - self.num_held_blocks / self.num_table_entries
+__all__ = ["AllocStatus", "BlockManager", "BlockUsage", "ManagerSnapshot", "PrefixCacheStats"]
 
 
 class ManagerSnapshot(NamedTuple):
@@ -81,16 +48,7 @@ class ManagerSnapshot(NamedTuple):
     hits: int
 
 
-class PrefixCacheStats(NamedTuple):
-    queries: int                 # prompt tokens looked up
-    hits: int                    # of those, tokens found in the cache
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class BlockManager:
+class BlockManager(GroupAllocation, DecodePath, SwapPath):
     """Paged KV-cache bookkeeping for a GPU pool and a CPU swap pool.
 
     Args:
@@ -136,7 +94,8 @@ class BlockManager:
     @property
     def num_free_gpu_blocks(self) -> int:
         """Blocks an allocation can take now: the free stack plus evictable cached blocks."""
-        return self.gpu.num_free_blocks
+        gpu = self.gpu
+        return len(gpu._free) + len(gpu._evictable)
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -158,7 +117,8 @@ class BlockManager:
 
     def get_block_table(self, seq_id: int) -> list[int]:
         """Physical block ids of the sequence, logical order (a copy)."""
-        return list(self._get(seq_id).blocks)
+        table = self._tables.get(seq_id)
+        return (table or self._get(seq_id)).blocks[:]
 
     def pool(self, device: str) -> BlockAllocator:
         if device not in ("gpu", "cpu"):
@@ -190,13 +150,15 @@ class BlockManager:
         then may another request reuse those blocks. ``append_slots`` does this implicitly
         for every token before the ones it appends.
         """
-        table = self._get(seq_id, "gpu")
-        if not 0 <= num_computed_tokens <= table.num_tokens:
+        table = self._tables.get(seq_id)
+        if table is None or table.device != "gpu":
+            table = self._get(seq_id, "gpu")             # raises the explanatory error
+        if not 0 <= num_computed_tokens <= len(table.token_ids):
             raise ValueError(f"num_computed_tokens must be in [0, {table.num_tokens}], "
                              f"got {num_computed_tokens}")
-        upto = num_computed_tokens // self.block_size
-        if self.cache is not None and upto > table.num_cached_blocks:
-            self.cache.register(table, upto)
+        if self.cache is not None and num_computed_tokens // self.block_size \
+                > table.num_cached_blocks:
+            self.cache.register(table, num_computed_tokens // self.block_size)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks. Only possible while no GPU block is held (vLLM's rule:
@@ -219,17 +181,22 @@ class BlockManager:
         """Can a prompt (token ids, or just a length) get its blocks now, later, or never?
         Given token ids and prefix caching, cached blocks count as already there."""
         num_tokens = token_ids if isinstance(token_ids, int) else len(token_ids)
-        required = self._blocks_needed(num_tokens)
-        if required > self.num_gpu_blocks - self.watermark_blocks:
+        required, watermark = self._blocks_needed(num_tokens), self.watermark_blocks
+        if required > self.num_gpu_blocks - watermark:
             return AllocStatus.NEVER
         free = self.num_free_gpu_blocks
+        if free - required >= watermark:
+            return AllocStatus.OK                # hits could only leave more room
         if self.cache is not None and not isinstance(token_ids, int):
-            probe = BlockTable(-1, self.block_size, token_ids=list(token_ids),
-                               extra_key=typed_salt(extra_key))
-            hits, _ = self.cache.hash_and_match(probe)
+            if free - required + (num_tokens - 1) // self.block_size < watermark:
+                return AllocStatus.LATER         # even if every full block were a free hit
+            extra = typed_salt(extra_key)
+            hashes, blocks = self.cache.hash_prompt(token_ids, self.block_size, extra)
+            hits, _ = self.cache.match(hashes, blocks, extra, (num_tokens - 1) // self.block_size)
             required -= len(hits)
-            free -= sum(1 for b in hits if self.gpu.ref_counts[b] == 0)
-        return AllocStatus.OK if free - required >= self.watermark_blocks else AllocStatus.LATER
+            refs = self.gpu.ref_counts
+            free -= sum(1 for b in hits if refs[b] == 0)
+        return AllocStatus.OK if free - required >= watermark else AllocStatus.LATER
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = ()) -> int:
         """Give a new sequence blocks for its prompt. Returns the number of prompt tokens found
@@ -246,13 +213,14 @@ class BlockManager:
         collided = False
         if self.cache is not None:
             hits, collided = self.cache.hash_and_match(table)
-        free = self.num_free_gpu_blocks - sum(1 for b in hits if self.gpu.ref_counts[b] == 0)
+        free = self.num_free_gpu_blocks
+        if hits:                                         # evictable hits leave the free count
+            free -= list(map(self.gpu.ref_counts.__getitem__, hits)).count(0)
         if required - len(hits) > free:
             raise NoFreeBlocksError(f"seq {seq_id} needs {required - len(hits)} new GPU blocks, "
                                     f"{free} are free; ask can_allocate() first")
         self.gpu.touch(hits)
-        allocate = self.gpu.allocate
-        table.blocks = hits + [allocate() for _ in range(required - len(hits))]
+        table.blocks = hits + self.gpu.allocate_n(required - len(hits))
         table.num_cached_blocks = len(hits)
         table.cache_parent = self.cache.identity(hits[-1]) if hits else None
         self._tables[seq_id] = table
@@ -262,81 +230,6 @@ class BlockManager:
             self.prefix_cache_hits += num_cached_tokens
             self.cache.num_collisions += collided
         return num_cached_tokens
-
-    # ----------------------------------------- allocate a group that shares a prefix
-    def _group_plan(self, token_lists: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-        """For each sequence of a group: (the earlier one it shares the most leading full
-        blocks with, how many), sharing at most its ``(len - 1) // block_size`` blocks (at
-        least one token is computed). (-1, 0) for the first."""
-        bs, plan = self.block_size, [(-1, 0)]
-        for i in range(1, len(token_lists)):
-            limit = (len(token_lists[i]) - 1) // bs
-            best = max(((min(common_full_blocks(token_lists[i], token_lists[j], bs), limit), -j)
-                        for j in range(i)), default=(0, 0))
-            plan.append((-best[1], best[0]) if best[0] else (-1, 0))
-        return plan
-
-    def group_blocks_needed(self, token_lists: Sequence[Sequence[int]]) -> int:
-        """GPU blocks a group of sequences takes when each shares the full blocks of its
-        longest common prefix with an earlier one (prefix-cache hits not counted)."""
-        plan = self._group_plan(token_lists)
-        return sum(self._blocks_needed(len(t)) - shared
-                   for t, (_, shared) in zip(token_lists, plan, strict=True))
-
-    def can_allocate_group(self, token_lists: Sequence[Sequence[int]],
-                           extra_key: Hashable = ()) -> AllocStatus:
-        """``can_allocate`` for a group that shares prefixes (see :meth:`allocate_group`)."""
-        if len(token_lists) == 1:
-            return self.can_allocate(token_lists[0], extra_key)
-        need = self.group_blocks_needed(token_lists)
-        if need > self.num_gpu_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        return AllocStatus.OK if self.num_free_gpu_blocks - need >= self.watermark_blocks \
-            else AllocStatus.LATER
-
-    def allocate_group(self, seqs: Sequence[tuple[int, Sequence[int]]],
-                       extra_key: Hashable = ()) -> list[tuple[int, int | None]]:
-        """Allocate the sequences of one request together (samples or beams prefilled again
-        after a recompute preemption): the first as :meth:`allocate` does, each later one
-        sharing the full blocks of its longest common prefix with an earlier one, the way they
-        shared them before. Returns, per sequence, ``(tokens it need not compute, the seq id
-        that computes them or None)``: prefix-cache hits for the first (already computed),
-        the shared prefix for the others, whose K/V the named sequence writes (the caller
-        must not run a sharer before that). All or nothing: ``NoFreeBlocksError`` if the
-        group does not fit now, nothing allocated."""
-        if not seqs:
-            raise ValueError("allocate_group needs at least one sequence")
-        ids = [s for s, _ in seqs]
-        if len(set(ids)) != len(ids) or any(s in self._tables for s in ids):
-            raise ValueError(f"seq ids must be new and distinct, got {ids}")
-        token_lists = [list(t) for _, t in seqs]
-        if len(seqs) == 1:
-            return [(self.allocate(ids[0], token_lists[0], extra_key), None)]
-        for t in token_lists:
-            self._blocks_needed(len(t))                     # >= 1 token each
-        need = self.group_blocks_needed(token_lists)        # as can_allocate_group counts
-        if need > self.num_free_gpu_blocks:
-            raise NoFreeBlocksError(f"the group needs {need} GPU blocks, "
-                                    f"{self.num_free_gpu_blocks} are free")
-        plan = self._group_plan(token_lists)
-        out = [(self.allocate(ids[0], token_lists[0], extra_key), None)]
-        for i in range(1, len(ids)):
-            seq_id, tokens, (j, shared) = ids[i], token_lists[i], plan[i]
-            if not shared:
-                out.append((self.allocate(seq_id, tokens, extra_key), None))
-                continue
-            source = self._tables[ids[j]]
-            table = BlockTable(seq_id, self.block_size, token_ids=tokens,
-                               extra_key=source.extra_key)
-            self.gpu.touch(source.blocks[:shared])
-            table.blocks = source.blocks[:shared] + [
-                self.gpu.allocate() for _ in range(self._blocks_needed(len(tokens)) - shared)]
-            if self.cache is not None:
-                table.block_hashes = source.block_hashes[:shared]
-                self.cache.hash_blocks(table, len(tokens) // self.block_size)
-            self._tables[seq_id] = table
-            out.append((shared * self.block_size, ids[j]))
-        return out
 
     # ----------------------------------------------------- grow: the decode hot path
     def _append_need(self, table: BlockTable, num_new_tokens: int) -> tuple[int, bool]:
@@ -431,69 +324,6 @@ class BlockManager:
             self.gpu.release(reversed(table.blocks), self._cached)
         else:
             self.cpu.release(reversed(table.blocks))
-
-    # ------------------------------------------------------------------------- swapping
-    def _group(self, seq_ids: Iterable[int], device: str) -> tuple[list[BlockTable], list[int]]:
-        """Tables of a group of sequences (e.g. one request's samples) and their distinct
-        blocks: a block shared inside the group moves once and stays shared."""
-        seq_ids = list(seq_ids)
-        if not seq_ids or len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be a non-empty list of distinct ids, got {seq_ids}")
-        tables = [self._get(s, device) for s in seq_ids]
-        return tables, list(dict.fromkeys(b for t in tables for b in t.blocks))
-
-    def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
-        return len(self._group(seq_ids, "gpu")[1]) <= self.num_free_cpu_blocks
-
-    def swap_out(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
-        """Move the group's blocks to the CPU pool; returns ``[(gpu_block, cpu_block)]``.
-        The engine must run these copies before any other cache op of the same step: the
-        freed GPU blocks may be handed out again right away."""
-        tables, distinct = self._group(seq_ids, "gpu")
-        if len(distinct) > self.num_free_cpu_blocks:
-            raise NoFreeBlocksError(f"swap out needs {len(distinct)} CPU blocks, "
-                                    f"{self.num_free_cpu_blocks} are free (raise swap_space)")
-        mapping = {b: self.cpu.allocate() for b in distinct}
-        self._move(tables, mapping, self.gpu, self.cpu)
-        for table in tables:
-            table.num_cached_blocks, table.cache_parent = 0, None   # re-offered after swap-in
-        return list(mapping.items())
-
-    def swap_in_need(self, seq_ids: Iterable[int]) -> int:
-        """GPU blocks a swapped-out group needs to come back and decode one step: its
-        distinct blocks plus :meth:`num_blocks_to_append`."""
-        seq_ids = list(seq_ids)
-        return len(self._group(seq_ids, "cpu")[1]) + self.num_blocks_to_append(seq_ids)
-
-    def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
-        """Room to swap the group in and run its next decode step, keeping the watermark?"""
-        need = self.swap_in_need(seq_ids)
-        if need > self.num_gpu_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        return AllocStatus.OK if self.num_free_gpu_blocks - need >= self.watermark_blocks \
-            else AllocStatus.LATER
-
-    def swap_in(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
-        """Bring a swapped-out group back to the GPU; returns ``[(cpu_block, gpu_block)]``."""
-        tables, distinct = self._group(seq_ids, "cpu")
-        if len(distinct) > self.num_free_gpu_blocks:
-            raise NoFreeBlocksError(f"swap in needs {len(distinct)} GPU blocks, "
-                                    f"{self.num_free_gpu_blocks} are free")
-        mapping = {b: self.gpu.allocate() for b in distinct}
-        self._move(tables, mapping, self.cpu, self.gpu)
-        return list(mapping.items())
-
-    def _move(self, tables: list[BlockTable], mapping: dict[int, int], src: BlockAllocator,
-              dst: BlockAllocator) -> None:
-        """Point the tables at the destination blocks (each allocated once, ref 1) and release
-        the source ones; a destination block gets one reference per entry in the group."""
-        seen: set[int] = set()
-        for table in tables:
-            old = table.blocks
-            table.blocks = [mapping[b] for b in old]
-            table.device = dst.device
-            src.release(reversed(old), self._cached if src is self.gpu else ())
-            dst.touch([b for b in table.blocks if b in seen or seen.add(b)])
 
     # ------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> ManagerSnapshot:

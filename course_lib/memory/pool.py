@@ -95,6 +95,27 @@ class BlockAllocator:
         self._state[block] = HELD
         return block
 
+    def allocate_n(self, n: int) -> list[int]:
+        """``n`` blocks, exactly as ``n`` calls of :meth:`allocate` would hand them out (the
+        free stack's top first, then the least recently used evictable ones), in one call.
+        ``NoFreeBlocksError`` (nothing taken) if the pool has fewer."""
+        free = self._free
+        if n > len(free) + len(self._evictable):
+            raise NoFreeBlocksError(f"no free {self.device} blocks (pool of {self.num_blocks})")
+        k = min(n, len(free))
+        blocks = free[len(free) - k:][::-1] if k else []
+        del free[len(free) - k:]
+        for _ in range(n - k):
+            block, _ = self._evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block)
+            blocks.append(block)
+        refs, state = self.ref_counts, self._state
+        for block in blocks:
+            refs[block] = 1
+            state[block] = HELD
+        return blocks
+
     def touch(self, blocks: Iterable[int]) -> None:
         """One more reference to each block (a fork, or a prefix-cache hit); an evictable
         block that is hit is held again and leaves the LRU."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Callable, Hashable, KeysView
+from collections.abc import Callable, Hashable, KeysView, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def typed_salt(salt: Hashable) -> Hashable:
     equal in Python but of other types (``1``, ``True``, ``1.0``) never share blocks. Tuples
     are typed item by item; ``()`` (no salt) stays ``()``."""
     if isinstance(salt, tuple):
-        return tuple(typed_salt(s) for s in salt)
+        return tuple(typed_salt(s) for s in salt) if salt else ()
     return (type(salt).__qualname__, salt)
 
 
@@ -76,6 +76,11 @@ class BlockKey(NamedTuple):
     parent: ParentRef | None
 
 
+def _new_key(fields: tuple) -> BlockKey:
+    """``BlockKey(*fields)`` without the named tuple's Python-level ``__new__`` (per block)."""
+    return tuple.__new__(BlockKey, fields)
+
+
 class PrefixCache:
     """The hash -> block map of every registered block (held or evictable), verified lookups."""
 
@@ -89,6 +94,9 @@ class PrefixCache:
         self._collided: dict[int, list[int]] = {}       # block_hash -> later blocks with it
         self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
         self._generation: dict[int, int] = {}           # block id -> times it was registered
+        self._prompts: dict[tuple, tuple[list[int], list[tuple]]] = {}   # hash_prompt's memo
+        self.version = 0                                # changes whenever the maps change
+        self._last_match: tuple = ()                    # match()'s memo, valid for a version
         self.num_collisions = 0                         # hash matched, content did not
 
     # --- lookup and registration -------------------------------------------------------
@@ -128,6 +136,7 @@ class PrefixCache:
         else:
             self._block_of[key.block_hash] = block
         self._key_of[block] = key
+        self.version += 1
         self._generation[block] = self._generation.get(block, 0) + 1
         return True
 
@@ -147,44 +156,119 @@ class PrefixCache:
         hashes, tokens, bs = table.block_hashes, table.token_ids, table.block_size
         hash_fn, extra = self.hash_fn, table.extra_key
         parent = hashes[-1] if hashes else ROOT_HASH
+        builtin = hash_fn is builtin_block_hash
         for i in range(len(hashes), upto):
-            parent = hash_fn(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra)
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            parent = hash((parent, block_tokens, extra)) if builtin \
+                else hash_fn(parent, block_tokens, extra)
             hashes.append(parent)
 
     def key(self, table: BlockTable, i: int, parent: ParentRef | None) -> BlockKey:
         bs = table.block_size
         parent_hash = table.block_hashes[i - 1] if i else ROOT_HASH
-        return BlockKey(table.block_hashes[i], parent_hash,
-                        tuple(table.token_ids[i * bs:(i + 1) * bs]), table.extra_key, parent)
+        return _new_key((table.block_hashes[i], parent_hash,
+                         tuple(table.token_ids[i * bs:(i + 1) * bs]), table.extra_key, parent))
+
+    def hash_prompt(self, tokens: Sequence[int], block_size: int, extra: Hashable
+                    ) -> tuple[list[int], list[tuple]]:
+        """The chained hashes of the full blocks of ``tokens`` and each block's tokens as a
+        tuple, remembered for the last few prompts: the scheduler asks ``can_allocate`` (maybe
+        for several steps) and then ``allocate`` for the same prompt, which is hashed once.
+        The lists returned are shared: copy before changing them."""
+        key = (tuple(tokens), block_size, extra)
+        found = self._prompts.get(key)
+        if found is not None:
+            return found
+        hash_fn, parent, hashes, blocks = self.hash_fn, ROOT_HASH, [], []
+        flat = key[0]
+        starts = range(0, len(flat) - block_size + 1, block_size)
+        if hash_fn is builtin_block_hash:           # inlined: this runs for every prompt
+            for i in starts:
+                block_tokens = flat[i:i + block_size]
+                parent = hash((parent, block_tokens, extra))
+                hashes.append(parent)
+                blocks.append(block_tokens)
+        else:
+            for i in starts:
+                block_tokens = flat[i:i + block_size]
+                parent = hash_fn(parent, block_tokens, extra)
+                hashes.append(parent)
+                blocks.append(block_tokens)
+        if len(self._prompts) >= 16:
+            del self._prompts[next(iter(self._prompts))]
+        self._prompts[key] = hashes, blocks
+        return hashes, blocks
+
+    def match(self, hashes: Sequence[int], blocks: Sequence[tuple], extra: Hashable,
+              max_hits: int) -> tuple[list[int], bool]:
+        """The cached blocks of the longest verified prefix (at most ``max_hits`` blocks), and
+        whether the walk stopped at a collision (a hash match whose key differs; the caller
+        counts it once the allocation is done, so that a probe changes nothing). The last
+        answer is remembered until the maps change: ``allocate`` right after ``can_allocate``
+        (the scheduler's order) walks nothing."""
+        last = self._last_match
+        if last and last[0] is hashes and last[1] == (extra, max_hits, self.version):
+            return list(last[2]), last[3]
+        hits, collided = self._walk(hashes, blocks, extra, max_hits)
+        self._last_match = (hashes, (extra, max_hits, self.version), hits, collided)
+        return list(hits), collided
+
+    def _walk(self, hashes: Sequence[int], blocks: Sequence[tuple], extra: Hashable,
+              max_hits: int) -> tuple[list[int], bool]:
+        block_of, key_of, generation = self._block_of, self._key_of, self._generation
+        hits: list[int] = []
+        parent_hash, parent = ROOT_HASH, None
+        for i in range(min(max_hits, len(hashes))):
+            block_hash = hashes[i]
+            block = block_of.get(block_hash)
+            if block is None:
+                return hits, False
+            key = (block_hash, parent_hash, blocks[i], extra, parent)
+            if key_of[block] != key:                     # rare: a hash collision
+                block, _ = self._find(BlockKey(*key))
+                if block is None:
+                    return hits, True
+            hits.append(block)
+            parent, parent_hash = (block, generation[block]), block_hash
+        return hits, False
 
     def hash_and_match(self, table: BlockTable) -> tuple[list[int], bool]:
         """Hash every full block of a new sequence (into ``table.block_hashes``) and return the
         cached blocks of its longest matching prefix, leaving at least one token to compute
         (the model must run on something to produce the next token's logits), and whether
-        the walk stopped at a collision (a hash match whose key differs; the caller counts it
-        once the allocation is done, so that a probe or a rejected call changes nothing).
-        One pass, one tuple per block: this runs for every prompt."""
+        the walk stopped at a collision (see :meth:`match`). A prompt ``can_allocate`` just
+        probed is not hashed again; any other is hashed and matched in one pass."""
         tokens, bs, extra = table.token_ids, table.block_size, table.extra_key
-        hashes, hash_fn, block_of, key_of = table.block_hashes, self.hash_fn, self._block_of, \
-            self._key_of
         max_hits = (len(tokens) - 1) // bs
+        flat = tuple(tokens)
+        found = self._prompts.get((flat, bs, extra)) if self._prompts else None
+        if found is not None:
+            table.block_hashes = list(found[0])
+            return self.match(found[0], found[1], extra, max_hits)
+        hash_fn, block_of, key_of, generation = self.hash_fn, self._block_of, self._key_of, \
+            self._generation
+        builtin = hash_fn is builtin_block_hash
+        hashes = table.block_hashes = []
         hits: list[int] = []
-        parent_hash, parent, matching, collided = ROOT_HASH, None, True, False
-        for i in range(len(hashes), len(tokens) // bs):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            block_hash = hash_fn(parent_hash, block_tokens, extra)
+        parent_hash, parent, matching, collided = ROOT_HASH, None, max_hits > 0, False
+        for i in range(0, len(flat) - bs + 1, bs):
+            block_tokens = flat[i:i + bs]
+            block_hash = hash((parent_hash, block_tokens, extra)) if builtin \
+                else hash_fn(parent_hash, block_tokens, extra)
             hashes.append(block_hash)
-            if matching and i < max_hits:
+            if matching:
                 block = block_of.get(block_hash)
-                key = (block_hash, parent_hash, block_tokens, extra, parent)
-                if block is not None and key_of[block] != key:   # rare: a hash collision
-                    block, _ = self._find(BlockKey(*key))
-                    collided = block is None
                 if block is not None:
-                    hits.append(block)
-                    parent = (block, self._generation[block])
-                else:
+                    key = (block_hash, parent_hash, block_tokens, extra, parent)
+                    if key_of[block] != key:             # rare: a hash collision
+                        block, _ = self._find(BlockKey(*key))
+                        collided = block is None
+                if block is None:
                     matching = False
+                else:
+                    hits.append(block)
+                    parent = (block, generation[block])
+                    matching = i // bs + 1 < max_hits
             parent_hash = block_hash
         return hits, collided
 
@@ -193,19 +277,36 @@ class PrefixCache:
         A block whose content is already cached elsewhere is not registered, but the chain
         continues from that canonical block; if the chain's parent is gone, nothing after it
         can be found by a lookup, so nothing after it is registered."""
-        cache, parent = self, table.cache_parent
+        parent = table.cache_parent
+        block_of, key_of, generation = self._block_of, self._key_of, self._generation
+        hashes, tokens, blocks, extra, bs = table.block_hashes, table.token_ids, table.blocks, \
+            table.extra_key, table.block_size
+        new_key = tuple.__new__
         for i in range(table.num_cached_blocks, upto):
             if i and parent is None:
                 break
-            key = self.key(table, i, parent)
-            block = table.blocks[i] if cache.insert(table.blocks[i], key) else cache.lookup(key)
-            parent = None if block is None else cache.identity(block)
+            block_hash = hashes[i]
+            key = new_key(BlockKey, (block_hash, hashes[i - 1] if i else ROOT_HASH,
+                                     tuple(tokens[i * bs:(i + 1) * bs]), extra, parent))
+            block, first = blocks[i], block_of.get(block_hash)
+            if block in key_of:
+                block = block if self.insert(block, key) else self.lookup(key)
+            elif first is None:                          # a new hash: register it (insert())
+                block_of[block_hash], key_of[block] = block, key
+                generation[block] = generation.get(block, 0) + 1
+                self.version += 1
+            elif key_of[first] == key:                   # cached already: chain from that one
+                block = first
+            else:                                        # rare: a collision
+                block = block if self.insert(block, key) else self.lookup(key)
+            parent = None if block is None else (block, generation[block])
         table.num_cached_blocks, table.cache_parent = upto, parent
 
     # --- forgetting --------------------------------------------------------------------
     def forget(self, block: int) -> None:
         """The pool evicted this block for a new allocation: its hash no longer finds it."""
-        h = self._key_of.pop(block).block_hash
+        self.version += 1
+        h = self._key_of.pop(block)[0]                   # its block_hash
         others = self._collided.get(h)
         if self._block_of[h] == block:
             if others:
@@ -219,6 +320,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every cached block (the pool frees the evictable ones)."""
+        self.version += 1
         self._block_of.clear()
         self._collided.clear()
         self._key_of.clear()
@@ -232,6 +334,7 @@ class PrefixCache:
     def restore(self, snap: tuple) -> None:
         """Put the maps back in place (the block manager holds a live view of the keys)."""
         block_of, collided, key_of, generation, self.num_collisions = snap
+        self.version += 1
         for mine, saved in ((self._block_of, block_of), (self._key_of, key_of),
                             (self._generation, generation)):
             mine.clear()

@@ -141,8 +141,8 @@ class Scheduler:
             if not budget.can_schedule(len(seqs), len(seqs)):
                 kept.append(req)        # stays running, waits for a step with room
                 continue
-            ids = [s.seq_id for s in seqs]
-            while bm.num_blocks_to_append(ids) > bm.num_free_gpu_blocks:
+            ids, tokens = [s.seq_id for s in seqs], [s.last_token_id for s in seqs]
+            while (grown := bm.append_decode(ids, tokens)) is None:    # no room: preempt
                 victim = self.victim_policy([req, *queue])
                 if victim is req and not queue and not kept:   # alone and still too big: its
                     # output stops here, like a length cap (vLLM V0 reports it as "length")
@@ -155,7 +155,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule_decode(req, seqs, budget, out)
+                self._schedule_decode(req, seqs, grown, budget, out)
                 kept.append(req)
         self.running = kept
         if not out.preempted:
@@ -164,14 +164,17 @@ class Scheduler:
             self._schedule_waiting(budget, out)
         return out
 
-    def _schedule_decode(self, req: Request, seqs: list[Sequence], budget: SchedulingBudget,
-                         out: SchedulerOutput) -> None:
+    def _schedule_decode(self, req: Request, seqs: list[Sequence],
+                         grown: tuple[list[tuple[int, int]], list[list[int]]],
+                         budget: SchedulingBudget, out: SchedulerOutput) -> None:
+        """``grown``: what ``BlockManager.append_decode`` returned for these sequences (the
+        copy-on-write copies, each sequence's block table): vLLM V0 asks ``can_append_slots``,
+        ``append_slots`` and ``get_block_table``, the course one fused call."""
         num_candidates = req.sampling_params.num_candidates(first_token=False)
-        bm = self.block_manager
-        for seq in seqs:
-            out.blocks_to_copy += bm.append_slots(seq.seq_id, [seq.last_token_id])
-            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_candidates,
-                                              bm.get_block_table(seq.seq_id)))
+        copies, tables = grown
+        out.blocks_to_copy += copies
+        for seq, block_ids in zip(seqs, tables, strict=True):
+            out.scheduled.append(ScheduledSeq(req, seq, 1, False, num_candidates, block_ids))
         budget.add(len(seqs), len(seqs))
 
     def _schedule_prefill(self, req: Request, budget: SchedulingBudget,
@@ -245,7 +248,10 @@ class Scheduler:
             out.blocks_to_swap_in += bm.swap_in([s.seq_id for s in seqs])
             for seq in seqs:
                 seq.status = S.RUNNING
-            self._schedule_decode(req, seqs, budget, out)
+            grown = bm.append_decode([s.seq_id for s in seqs], [s.last_token_id for s in seqs])
+            if grown is None:       # can_swap_in counted the next decode: cannot happen
+                raise RuntimeError(f"request {req.request_id}: no room to decode after swap-in")
+            self._schedule_decode(req, seqs, grown, budget, out)
             self.running.append(req)
 
     def _schedule_waiting(self, budget: SchedulingBudget, out: SchedulerOutput) -> None:
@@ -296,7 +302,9 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             seq.num_computed_tokens += e.num_tokens
-            bm.mark_blocks_as_computed(seq.seq_id, seq.num_computed_tokens)
+            # a decode token fills no block unless it is a block's last: then nothing to mark
+            if e.is_prefill or seq.num_computed_tokens % self.cache_config.block_size == 0:
+                bm.mark_blocks_as_computed(seq.seq_id, seq.num_computed_tokens)
             if e.is_prefill:
                 self.num_prompt_tokens += e.num_tokens
             if e.num_candidates:
