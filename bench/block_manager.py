@@ -82,14 +82,28 @@ class Recorder:
 
 
 def _scheduler(design: str, blocks: int, caching: bool):
-    from course_lib.config import CacheConfig, SchedulerConfig
-    from course_lib.scheduler import Scheduler, SchedulerV1
+    try:
+        from course_lib.config import CacheConfig, SchedulerConfig
+    except ImportError:                       # revisions before the layout of issue 10
+        from course_lib.scheduler_config import CacheConfig, SchedulerConfig
+    import course_lib.scheduler as scheduler
 
     sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=4096)
     kw = {"prefix_cache": "radix"} if design == "radix" else {}
     cc = CacheConfig(block_size=16, num_gpu_blocks=blocks, watermark=0.0,
                      enable_prefix_caching=caching, **kw)
-    return (Scheduler if design == "v0" else SchedulerV1)(sc, cc)
+    return (scheduler.Scheduler if design == "v0" else scheduler.SchedulerV1)(sc, cc)
+
+
+def _fake_samples():
+    """The model-free sampler of the code under test (older revisions kept it elsewhere)."""
+    try:
+        from course_lib.sim.fake_sampler import fake_samples
+        return fake_samples
+    except ImportError:
+        from course_lib.sequence import fake_sample
+        return lambda out: {e.seq.seq_id: fake_sample(e.request, e.seq, e.num_samples)
+                            for e in out.scheduled if e.num_samples}
 
 
 def _digest(bm) -> tuple:
@@ -99,7 +113,10 @@ def _digest(bm) -> tuple:
     pool = getattr(bm, "gpu", None)
     order = ()
     if pool is not None:
-        evictable = iter(pool._evictable)
+        lru = getattr(pool, "_evictable", None)     # older revisions kept it in the cache
+        if lru is None:
+            lru = getattr(getattr(bm, "cache", None), "_evictor", {})
+        evictable = iter(lru)
         order = (tuple(pool._free[-64:]), tuple(next(evictable, None) for _ in range(64)))
     return tables, bm.num_free_gpu_blocks, tuple(bm.prefix_cache_stats), order
 
@@ -107,8 +124,8 @@ def _digest(bm) -> tuple:
 def record(design: str, num_requests: int, blocks: int, caching: bool,
            digests: bool = True) -> dict:
     from course_lib.sequence import SamplingParams
-    from course_lib.sim.fake_sampler import fake_samples
 
+    fake_samples = _fake_samples()
     s = _scheduler(design, blocks, caching)
     real, log = s.block_manager, []
     proxy = Recorder(real, log)

@@ -674,6 +674,7 @@ def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
     copy-on-write, caching and eviction."""
     fused, plain = (BlockManager(bs, blocks, 0, 0.0, caching) for _ in range(2))
     groups: dict[int, list[int]] = {}                 # group (0-2, split ones 3-11) -> seq ids
+    handed: list[tuple[list[int], list[int]]] = []    # block ids append_decode gave, as given
     next_id = 100
     for op, g, k in ops:
         if op != "admit" and groups:                  # act on a live group
@@ -687,6 +688,8 @@ def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
         elif op == "decode" and g in groups:
             ids, toks = groups[g], [k * 10 + i for i in range(len(groups[g]))]
             got = fused.append_decode(ids, toks)
+            if got is not None:                       # handed out without a copy: must stay
+                handed += [(blocks, list(blocks)) for blocks in got[1]]
             if plain.num_blocks_to_append(ids) > plain.num_free_gpu_blocks:
                 want = None
             else:
@@ -711,6 +714,33 @@ def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
                 for m in (fused, plain):
                     m.free(s)
         assert snapshot(fused) == snapshot(plain)
+        assert all(blocks == was for blocks, was in handed), "a handed-out table changed"
         fused.check_invariants()
     with pytest.raises(ValueError, match="one token per sequence"):
         fused.append_decode([1, 2], [3])
+
+
+def test_a_remembered_chain_is_reused_only_while_its_blocks_keep_their_registration():
+    """``hash_and_match`` reuses the hits of a recent prompt that began alike, block by block,
+    only while each block is still registered with the very key it had. Here block 1 of the
+    first prompt is evicted and registered again with other tokens: the next prompt like the
+    first must not hit it (a check on 'still cached' alone would hit wrong content)."""
+    m = cached(3)
+    a = toks(9, 100)                                 # blocks [100..103], [104..107], +1
+    m.allocate(0, a)
+    m.mark_blocks_as_computed(0, 9)
+    m.free(0)                                        # blocks 0, 1 cached and evictable
+    assert m.allocate(1, toks(4, 100) + toks(5, 900)) == 4    # reuses block 0 from the chain
+    m.mark_blocks_as_computed(1, 9)
+    m.free(1)
+    # evict every cached block and register another prompt's full blocks in their place
+    m.allocate(2, toks(12, 500))
+    m.mark_blocks_as_computed(2, 12)
+    assert m.get_block_table(2)[2] == 0 and m.cache.is_cached(0)   # block 0: other tokens
+    m.free(2)
+    m.check_invariants()
+    got = m.allocate(3, a)
+    m.check_invariants()                             # cached blocks hold their tokens
+    table = m.get_table(3)
+    for i in range(got // BS):
+        assert m.cache.key_of(table.blocks[i]).token_ids == tuple(a[i * BS:(i + 1) * BS])

@@ -40,6 +40,8 @@ class BlockTable:
     num_cached_blocks: int = 0    # leading full blocks already offered to the prefix cache
     extra_key: Hashable = ()      # salt mixed into every block hash of this sequence
     cache_parent: tuple[int, int] | None = None  # cached block that holds block num_cached-1
+    handed_out: bool = False      # ``blocks`` itself was handed out (no copy): copy it first
+                                  # before changing it (see :meth:`writable_blocks`)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +62,19 @@ class BlockTable:
         """Slots of tokens ``start..num_tokens-1`` in order (one decode step: the last one)."""
         bs, blocks = self.block_size, self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, len(self.token_ids))]
+
+    def hand_out(self) -> list[int]:
+        """The block ids without a copy, for a reader that holds them for one step (the
+        scheduler's ``ScheduledSeq.block_ids``): the table copies the list before it next
+        changes it, so what was handed out never changes under the reader."""
+        self.handed_out = True
+        return self.blocks
+
+    def writable_blocks(self) -> list[int]:
+        """``blocks``, to change in place: copied first if it was handed out."""
+        if self.handed_out:
+            self.blocks, self.handed_out = self.blocks[:], False
+        return self.blocks
 
     def copy(self, seq_id: int) -> BlockTable:
         """A fork: same blocks (the caller increments their ref counts), same tokens."""

@@ -286,7 +286,7 @@ class BlockManager(GroupAllocation, DecodePath, SwapPath):
         if new_blocks + cow > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"seq {seq_id} needs {new_blocks + cow} GPU blocks, "
                                     f"{self.num_free_gpu_blocks} are free; preempt something")
-        blocks, allocate = table.blocks, self.gpu.allocate
+        blocks, allocate = table.writable_blocks(), self.gpu.allocate
         copies: list[tuple[int, int]] = []
         if cow:
             src = blocks[-1]

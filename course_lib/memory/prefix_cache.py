@@ -95,6 +95,7 @@ class PrefixCache:
         self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
         self._generation: dict[int, int] = {}           # block id -> times it was registered
         self._prompts: dict[tuple, tuple[list[int], list[tuple]]] = {}   # hash_prompt's memo
+        self._chains: dict[tuple, list[tuple]] = {}     # hash_and_match's: see there
         self.version = 0                                # changes whenever the maps change
         self._last_match: tuple = ()                    # match()'s memo, valid for a version
         self.num_collisions = 0                         # hash matched, content did not
@@ -250,8 +251,21 @@ class PrefixCache:
         builtin = hash_fn is builtin_block_hash
         hashes = table.block_hashes = []
         hits: list[int] = []
-        parent_hash, parent, matching, collided = ROOT_HASH, None, max_hits > 0, False
-        for i in range(0, len(flat) - bs + 1, bs):
+        parent_hash, parent, collided, start = ROOT_HASH, None, False, 0
+        head = (flat[:bs], extra)
+        chain = self._chains.get(head) if max_hits > 0 else None
+        if chain:       # the hits of a recent prompt that began alike, each still registered
+            for block_tokens, block, key in chain:       # with the very key it had: no hash,
+                if len(hits) == max_hits or key_of.get(block) is not key \
+                        or flat[start:start + bs] != block_tokens:     # no verify needed
+                    break
+                hits.append(block)
+                hashes.append(key[0])
+                start += bs
+            if hits:
+                parent_hash, parent = hashes[-1], (hits[-1], generation[hits[-1]])
+        reused, matching = len(hits), len(hits) < max_hits
+        for i in range(start, len(flat) - bs + 1, bs):
             block_tokens = flat[i:i + bs]
             block_hash = hash((parent_hash, block_tokens, extra)) if builtin \
                 else hash_fn(parent_hash, block_tokens, extra)
@@ -270,6 +284,12 @@ class PrefixCache:
                     parent = (block, generation[block])
                     matching = i // bs + 1 < max_hits
             parent_hash = block_hash
+        if len(hits) > reused or (hits and not chain):   # remember the longer chain
+            kept = chain[:reused] if chain else []
+            self._chains[head] = kept + [(flat[j * bs:(j + 1) * bs], hits[j], key_of[hits[j]])
+                                         for j in range(reused, len(hits))]
+            if len(self._chains) > 256:
+                del self._chains[next(iter(self._chains))]
         return hits, collided
 
     def register(self, table: BlockTable, upto: int) -> None:

@@ -75,7 +75,7 @@ class SwapPath:
         seen: set[int] = set()
         for table in tables:
             old = table.blocks
-            table.blocks = [mapping[b] for b in old]
+            table.blocks, table.handed_out = [mapping[b] for b in old], False
             table.device = dst.device
             src.release(reversed(old), self._cached if src is self.gpu else ())
             dst.touch([b for b in table.blocks if b in seen or seen.add(b)])
