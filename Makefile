@@ -1,12 +1,15 @@
-# paged-kv-course: `make lab` to learn, `make test` to check everything.
-# Both create .venv and install the project on first use; later runs re-install
-# only when pyproject.toml changes (the stamp file below).
+# paged-kv-course: `make lab` to learn, `make test` to check everything, `make book` to read.
+# Each creates .venv and installs what it needs on first use (a learner gets the course's own
+# dependencies; tests and the book add their extras); later runs re-install only when
+# pyproject.toml changes (the stamp files below).
 
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
+LAB_STAMP := $(VENV)/.paged-kv-course-lab
 STAMP := $(VENV)/.paged-kv-course-installed
+BOOK_STAMP := $(VENV)/.paged-kv-course-book
 KERNEL := paged-kv-course
 KERNEL_DISPLAY := Python 3 (paged-kv-course)
 
@@ -22,28 +25,40 @@ CH_NUM = $(firstword $(subst _, ,$(CH)))
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test test-fast test-chapter test-browser lint clean
+.PHONY: help install lab test test-fast test-chapter test-browser book lint clean
 
 help:
 	@echo "make lab                    start JupyterLab on notebooks/ (installs .venv first if needed)"
 	@echo "make test                   unit tests + every notebook with nbval"
 	@echo "make test-fast              unit tests only"
 	@echo "make test-chapter CH=00_setup   one chapter: its notebook and the tests marked ch00"
-	@echo "make test-browser           chapter 03 in JupyterLab driven by Chromium (needs /usr/bin/chromium)"
+	@echo "make test-browser           every chapter in JupyterLab driven by Chromium (needs /usr/bin/chromium)"
+	@echo "make book                   the course as a static HTML book in build/book/ (stored outputs)"
 	@echo "make lint                   ruff check"
 	@echo "make clean                  remove .venv and caches"
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install -e '.[dev]'
+# what a learner needs: the course and JupyterLab, with the course's kernel registered
+$(LAB_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -e .
 	$(PY) -m ipykernel install --sys-prefix --name $(KERNEL) --display-name "$(KERNEL_DISPLAY)"
+	touch $@
+
+# + the test tools (pytest, nbval, hypothesis, playwright, transformers, ...) and the book's
+$(STAMP): pyproject.toml $(LAB_STAMP)
+	$(PY) -m pip install -e '.[dev,book]'
+	touch $@
+
+# + the book's toolchain only
+$(BOOK_STAMP): pyproject.toml $(LAB_STAMP)
+	$(PY) -m pip install -e '.[book]'
 	touch $@
 
 install: $(STAMP)
 
-lab: $(STAMP)
+lab: $(LAB_STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(LAB_ARGS)
 
 test: $(STAMP)
@@ -60,6 +75,9 @@ test-chapter: $(STAMP)
 # A learner's walk in a real browser: JupyterLab on 127.0.0.1 + Playwright driving Debian's chromium.
 test-browser: $(STAMP)
 	COURSE_BROWSER_TEST=1 $(PY) -m pytest tests/browser -p no:cacheprovider
+
+book: $(BOOK_STAMP)
+	$(PY) scripts/build_book.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check course_lib tests bench

@@ -3,14 +3,17 @@
     python -m course_lib generate "And God said" --max-tokens 40
     python -m course_lib generate "And God said" --n 2 --temperature 0.8 --seed 0
     python -m course_lib generate "And God said" --beam-width 4
-    python -m course_lib serve-metrics --port 0 --trace sharegpt --num-requests 200
+    python -m course_lib serve-metrics --port 8000 --num-requests 200 --hold 60
     python -m course_lib serve-metrics --model-free --num-requests 2000 --hold 60
+
+The tiny model's tokens are bytes: one token is one character of English text, so
+``--max-tokens 60`` is about 12 words.
 
 ``serve-metrics`` prints the URL of ``/metrics`` (127.0.0.1 only) first, then replays the
 trace with a progress bar, the metrics moving while it runs: through the real engine and model
 (default), or through the model-free replay of ``course_lib.sim.replay`` (``--model-free``: the
-scheduler and block manager with a cost model). With
-``--hold S`` the server stays up S seconds after the replay, for ``curl`` or Prometheus.
+scheduler and block manager with a cost model). With ``--hold S`` the server stays up S seconds
+after the replay, for ``curl`` or Prometheus; ``serve-metrics --help`` says what to expect.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 def _positive(kind):
@@ -38,36 +41,100 @@ def _port(text: str) -> int:
     return value
 
 
+SERVE_METRICS_HELP = """\
+Replay a trace and serve its metrics, with vLLM's Prometheus names, on
+http://127.0.0.1:PORT/metrics while it runs.
+
+How long: the real engine and tiny model (the default) replay 200 requests in
+about 8 s on one CPU thread; --model-free runs the scheduler with a cost model
+instead of the model, 200 requests in about a second and 2,000 in about 10 s
+(its summary's duration_s is the time it models, not the time it took).
+
+What you see: while the replay runs, the gauges move (vllm:num_requests_running,
+vllm:num_requests_waiting, vllm:gpu_cache_usage_perc). Once it is over they read
+0 (nothing runs, every block is free), while the counters and histograms keep
+their final values (vllm:num_preemptions_total, vllm:generation_tokens_total,
+vllm:time_to_first_token_seconds_*). The server stops with the replay unless
+--hold S keeps it up S more seconds.
+
+Start it in one terminal, then curl it from a second one:
+  python -m course_lib serve-metrics --port 8000 --num-requests 200 --hold 60
+  curl -s 127.0.0.1:8000/metrics | grep vllm:
+
+The answer is the classic text format whatever the scraper asks for, so a
+Prometheus server stores the names with their colons, as curl shows them.
+"""
+
+TOKENS_ARE_BYTES = "the tiny model's tokens are bytes: 60 tokens is about 12 words"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__.split(
         "\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from a prompt with the tiny model")
+    gen = sub.add_parser("generate", help="generate text from a prompt with the tiny model",
+                         description="Generate text from a prompt with the tiny model through "
+                         f"the paged KV cache ({TOKENS_ARE_BYTES}).")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=_positive(int), default=40)
+    gen.add_argument("--max-tokens", type=_positive(int), default=40,
+                     help=f"tokens to generate (default 40); {TOKENS_ARE_BYTES}")
     gen.add_argument("--n", type=_positive(int), default=1, help="parallel samples")
-    gen.add_argument("--beam-width", type=_positive(int), default=1)
+    gen.add_argument("--beam-width", type=_positive(int), default=1,
+                     help="beam search (runs every beam to --max-tokens, past <eos>)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--block-size", type=int, default=16)
-    srv = sub.add_parser("serve-metrics", help="replay a trace while serving /metrics")
+    gen.add_argument("--block-size", type=int, default=16, help="tokens (bytes) per KV block")
+    srv = sub.add_parser("serve-metrics", help="replay a trace while serving /metrics",
+                         description=SERVE_METRICS_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
     srv.add_argument("--port", type=_port, default=0, help="0: any free port")
-    srv.add_argument("--trace", choices=("sharegpt", "alpaca"), default="sharegpt")
+    srv.add_argument("--trace", choices=("sharegpt", "alpaca"), default="sharegpt",
+                     help="request lengths: ShareGPT-like (chats, long answers) or "
+                     "Alpaca-like (short instructions); for the engine, fitted to the model's "
+                     "256-byte context")
     srv.add_argument("--num-requests", type=_positive(int), default=200)
     srv.add_argument("--rate", type=_positive(float), default=float("inf"),
                      help="requests per second (Poisson); default: all at once")
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--num-gpu-blocks", type=_positive(int), default=None,
                      help="KV pool (default: 128 for the engine, 2048 model-free)")
-    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     srv.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     srv.add_argument("--model-free", action="store_true",
-                     help="the cost-model replay (no model), 2,048-token ShareGPT lengths")
+                     help="the cost-model replay (no model), at the lengths of a 2,048-token "
+                     "server (a real model's tokens there, not bytes)")
     srv.add_argument("--hold", type=float, default=0.0,
-                     help="seconds to keep serving after the replay")
+                     help="seconds to keep serving after the replay (default 0: the server "
+                     "stops with it)")
     srv.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def shown_text(token_ids: Sequence[int], stop_token_ids: Collection[int]) -> str:
+    """A completion as the CLI prints it: its bytes as text, a final stop token left out (as
+    ``CompletionOutput.text`` does), and each special token *inside* it written by name.
+
+    The model was trained on verses, each ``<bos> ... <eos>``, so after a verse it emits
+    ``<eos><bos>`` and starts the next one with no space in between. Greedy decoding and
+    sampling stop at ``<eos>``; beam search runs every beam to ``--max-tokens``, so a beam can
+    hold ``<eos><bos>``. ``CompletionOutput.text`` drops special tokens (as vLLM's
+    ``skip_special_tokens`` does) and shows two verses glued together ("Israel.And"); here the
+    verse break stays visible ("Israel.<eos><bos>And")."""
+    from .model.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = [int(i) for i in token_ids]
+    if ids and ids[-1] in stop_token_ids:
+        ids.pop()
+    parts, run = [], []
+    for i in ids:
+        if i < 256:
+            run.append(i)
+        else:
+            parts += [tok.decode(run), tok.token_str(i)]
+            run = []
+    return "".join(parts) + tok.decode(run)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -87,12 +154,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: the request was not served ({out.finish_reason}): {out.finish_detail}",
               file=sys.stderr)
         return 1
+    verse_breaks = False
     for c in out.outputs:
         label = f"[{c.index}]" if len(out.outputs) > 1 else ""
-        print(f"{label}{args.prompt}{c.text}")
+        text = shown_text(c.token_ids, engine.stop_token_ids)
+        verse_breaks |= text != c.text               # a special token inside it
+        print(f"{label}{args.prompt}{text}")
         if len(out.outputs) > 1 or args.beam_width > 1:
-            print(f"    ({len(c.token_ids)} tokens, logprob {c.cumulative_logprob:.2f}, "
-                  f"{c.finish_reason})")
+            print(f"    ({len(c.token_ids)} byte tokens, logprob "
+                  f"{c.cumulative_logprob:.2f}, {c.finish_reason})")
+    if verse_breaks:
+        print("<eos><bos>: the model ended a verse there and began the next one (beam search "
+              "does not stop a beam at <eos>)")
     return 0
 
 
@@ -141,11 +214,12 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
         trace = model_trace(args.trace, args.num_requests, seed=args.seed, rate=args.rate)
         run = run_trace(engine, trace, progress=progress)
         print(f"replay (engine): {len(run.outputs)} requests, {run.generated_tokens} tokens "
-              f"in {run.duration_s:.1f} s ({run.tokens_per_s:.0f} tokens/s), {run.num_steps} "
-              f"steps, {run.num_preemptions} preemptions", flush=True)
+              f"(bytes) generated in {run.duration_s:.1f} s ({run.tokens_per_s:.0f} tokens/s), "
+              f"{run.num_steps} steps, {run.num_preemptions} preemptions", flush=True)
     try:
         if args.hold > 0:
-            print(f"holding /metrics for {args.hold:g} s", flush=True)
+            print(f"holding /metrics for {args.hold:g} s: the replay is over, so the gauges "
+                  "read 0 and the counters keep their final values", flush=True)
             time.sleep(args.hold)
     finally:
         server.shutdown()

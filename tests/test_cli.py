@@ -36,6 +36,47 @@ def test_generate_with_n_samples_prints_each_and_is_seeded(capsys) -> None:
     assert capsys.readouterr().out == first
 
 
+def test_beam_search_shows_where_the_model_ended_a_verse(capsys) -> None:
+    """The model emits <eos><bos> between verses; beam search runs past it, and the text
+    without special tokens glues two verses ("Israel.And"): the CLI names them instead."""
+    from course_lib.__main__ import shown_text
+    from course_lib.config import CacheConfig
+
+    assert main(["generate", "And God said", "--beam-width", "4", "--max-tokens", "60"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    engine = LLMEngine(cache_config=CacheConfig(block_size=16, num_gpu_blocks=256))
+    beams = engine.generate("And God said", SamplingParams(max_tokens=60, beam_width=4))[0]
+    texts = [shown_text(c.token_ids, engine.stop_token_ids) for c in beams.outputs]
+    assert printed[0:8:2] == [f"[{i}]And God said{t}" for i, t in enumerate(texts)]
+    assert printed[1] == f"    (60 byte tokens, logprob {beams.outputs[0].cumulative_logprob:.2f}" \
+                         ", length)"
+    for c, text in zip(beams.outputs, texts, strict=True):
+        assert "Israel.And" in c.text                          # what the CLI printed before
+        assert "Israel.<eos><bos>And" in text
+        assert text.replace("<eos>", "").replace("<bos>", "") == c.text   # nothing else
+    assert printed[-1].startswith("<eos><bos>: the model ended a verse")
+
+
+def test_shown_text_names_inner_specials_only() -> None:
+    from course_lib.__main__ import shown_text
+
+    said = list(b" said.")
+    assert shown_text(said + [257], {257}) == " said."        # a final stop token: dropped
+    assert shown_text(said + [257, 256] + list(b"And"), {257}) == " said.<eos><bos>And"
+    assert shown_text(said, {257}) == " said."
+
+
+def test_help_says_what_to_expect(capsys) -> None:
+    for cmd in ("generate", "serve-metrics"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokens are bytes: 60 tokens is about 12 words" in text       # --max-tokens
+    assert "200 requests in about 8 s" in text and "2,000 in about 10 s" in text
+    assert "they read 0" in text and "--hold S keeps it up S more seconds" in text
+    assert "curl it from a second one" in text
+
+
 def test_bad_values_give_one_line_errors(capsys) -> None:
     assert main(["generate", "x", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
@@ -95,7 +136,7 @@ def test_serve_metrics_replays_a_trace_with_progress_and_serves_metrics(model_fr
         assert after["vllm:generation_tokens_total"] > 0
         assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
         if not model_free:
-            tokens = int(re.search(r"(\d+) tokens in", summary)[1])
+            tokens = int(re.search(r"(\d+) tokens \(bytes\) generated in", summary)[1])
             assert after["vllm:generation_tokens_total"] == tokens
     finally:
         proc.terminate()

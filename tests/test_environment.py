@@ -55,18 +55,36 @@ def conda_pip_entries(env: dict) -> list[str]:
     return pip_section
 
 
-def test_environment_yml_is_a_conda_spec(env):
+def editable_extras(entries: list[str]) -> set[str]:
+    """The extras of the one "-e .[a,b]" entry: {"a", "b"} (empty set without brackets)."""
+    (line,) = [e for e in entries if e.startswith("-e ")]
+    target = line.removeprefix("-e ").strip()
+    if "[" not in target:
+        return set()
+    return {x.strip() for x in target.split("[", 1)[1].rstrip("]").split(",") if x.strip()}
+
+
+def test_environment_yml_is_a_conda_spec(env, project):
     assert env["name"] == "paged-kv-course"
     assert env["channels"] == ["conda-forge"]
     conda_deps = [d for d in env["dependencies"] if isinstance(d, str)]
     assert "python=3.11" in conda_deps and "pip" in conda_deps
-    assert "-e .[dev]" in conda_pip_entries(env)
+    # the conda environment installs the project with every extra (dev, book, ...)
+    assert editable_extras(conda_pip_entries(env)) == set(project["optional-dependencies"])
 
 
 def test_pins_match_pyproject(project, env):
-    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    wanted = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted += extra
     entries = [e for e in conda_pip_entries(env) if not e.startswith("-e ")]
     assert mismatches(wanted, entries) == []
+
+
+def test_editable_extras_reads_the_e_line():
+    assert editable_extras(["torch==2.13.0", "-e .[dev, book]"]) == {"dev", "book"}
+    assert editable_extras(["-e .[dev]"]) == {"dev"}
+    assert editable_extras(["-e ."]) == set()
 
 
 def test_mismatches_catches_drift():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 
 import pytest
@@ -147,3 +148,92 @@ def test_the_v1_design_exports_v1s_names_and_no_created_series():
     assert "vllm:gpu_prefix_cache_hit_rate" not in names
     with pytest.raises(ValueError, match="design"):
         Metrics(s, design="v2")
+
+
+# What Prometheus 2.x (Debian's 2.42, for one) sends when it scrapes: OpenMetrics first, no
+# escaping scheme named (Prometheus 3 adds escaping=allow-utf-8).
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                       "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def get(url: str, accept: str | None = None) -> tuple[str, str]:
+    req = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.headers["Content-Type"], resp.read().decode()
+
+
+def sample_names(text: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_every_series_exists_at_zero_before_anything_happened():
+    """A counter series that appears only at its first preemption would start above 0, and
+    Prometheus' rate() could not count what came before its first sample."""
+    m = Metrics(small_scheduler())
+    for name in ("vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running"):
+        assert m.value(name) == 0.0, name
+
+
+def test_a_prometheus_2_scrape_gets_the_classic_format_with_colon_names():
+    """serve_metrics ignores the negotiation; prometheus_client's own server (the detector's
+    input) answers the same Accept header in OpenMetrics with colons turned into underscores
+    on the sample lines (prometheus/client_python#1177)."""
+    from prometheus_client import start_http_server
+
+    s = small_scheduler()
+    m = Metrics(s)
+    for i in range(6):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=20))
+    run(s, m, steps=6)
+    ours, port = serve_metrics(m)
+    default, _ = start_http_server(0, addr="127.0.0.1", registry=m.registry)
+    try:
+        got = {accept: get(f"http://127.0.0.1:{port}/metrics", accept)
+               for accept in (PROMETHEUS_2_ACCEPT, None, "application/openmetrics-text")}
+        ctype, bad = get(f"http://127.0.0.1:{default.server_port}/metrics", PROMETHEUS_2_ACCEPT)
+        try:
+            other = get(f"http://127.0.0.1:{port}/other")
+        except urllib.error.HTTPError as exc:
+            other = exc.code
+    finally:
+        for server in (ours, default):
+            server.shutdown()
+            server.server_close()
+    (ctype_ours, text), *others = got.values()
+    assert ctype_ours == "text/plain; version=0.0.4; charset=utf-8"
+    assert all(other == (ctype_ours, text) for other in others)        # whatever is asked
+    names = sample_names(text)
+    assert {"vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total",
+            "vllm:time_to_first_token_seconds_bucket"} <= names
+    assert all(n.startswith("vllm:") for n in names)
+    assert f"vllm:gpu_cache_usage_perc{{model_name=\"course-model\"}} " \
+           f"{m.value('vllm:gpu_cache_usage_perc')}" in text
+    # the detector's input: the default handler loses every colon on the sample lines
+    assert ctype.startswith("application/openmetrics-text")
+    assert "# HELP vllm:gpu_cache_usage_perc" in bad                  # ... but not in HELP
+    bad_names = sample_names(bad)
+    assert "vllm_gpu_cache_usage_perc" in bad_names
+    assert not any(n.startswith("vllm:") for n in bad_names)
+    assert other == 404                                             # only /metrics is served
+
+
+def test_a_silent_client_does_not_block_the_one_thread(monkeypatch, capfd):
+    """A connection that never sends its request is dropped (after the handler's timeout,
+    shortened here), quietly; the next scrape is answered."""
+    import socket
+
+    from course_lib.scheduler import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 0.5)
+    server, port = serve_metrics(Metrics(small_scheduler()))
+    try:
+        with socket.create_connection(("127.0.0.1", port)):
+            _, text = get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "vllm:num_requests_running" in text
+    assert "Traceback" not in capfd.readouterr().err

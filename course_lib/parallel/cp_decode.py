@@ -227,13 +227,14 @@ class CPCheck:
 
 
 def check_against_single_rank(cases: list[CPCase], world_size: int, *, backend: str = "auto",
-                              timeout_s: float = 60.0,
-                              merges: tuple[str, ...] = MERGES) -> list[CPCheck]:
-    """Launch ``world_size`` ranks, run every case with every merge, compare with one rank."""
+                              timeout_s: float = 60.0, merges: tuple[str, ...] = MERGES,
+                              progress: bool = False) -> list[CPCheck]:
+    """Launch ``world_size`` ranks, run every case with every merge, compare with one rank
+    (``progress``: a bar of the ranks that have finished, see :func:`launch`)."""
     from course_lib.parallel.launch import launch
 
     per_rank = launch(cp_decode_worker, world_size, (list(cases), tuple(merges)),
-                      backend=backend, timeout_s=timeout_s)
+                      backend=backend, timeout_s=timeout_s, progress=progress)
     checks, i = [], 0
     for case in cases:
         want = single_rank_decode(case)["outputs"]

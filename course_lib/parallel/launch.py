@@ -153,8 +153,11 @@ def _earliest_error(results: Any, rank: int, payload: str, stamp: float,
 
 
 def launch(worker: Callable[..., Any], world_size: int, args: tuple = (), *,
-           backend: str = "auto", timeout_s: float = 60.0) -> list[Any]:
+           backend: str = "auto", timeout_s: float = 60.0, progress: bool = False) -> list[Any]:
     """Run ``worker(rank, world_size, *args)`` on ``world_size`` processes; results by rank.
+
+    ``progress=True`` shows a bar of the ranks that have finished, its clock ticking while
+    they start (each spawned interpreter imports torch: seconds on a laptop).
 
     Raises ValueError for an impossible ``world_size`` / ``backend`` before starting anything;
     :class:`RankFailedError` if a rank raises, exits without a result, or the whole run takes
@@ -172,7 +175,7 @@ def launch(worker: Callable[..., Any], world_size: int, args: tuple = (), *,
                          "a notebook cell")
     for attempt in range(2):
         try:
-            return _launch_once(worker, world_size, args, backend, timeout_s)
+            return _launch_once(worker, world_size, args, backend, timeout_s, progress)
         except RankFailedError as exc:   # the free port was taken before rank 0 bound it
             if attempt or "address already in use" not in str(exc).lower():
                 raise
@@ -180,7 +183,9 @@ def launch(worker: Callable[..., Any], world_size: int, args: tuple = (), *,
 
 
 def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backend: str,
-                 timeout_s: float) -> list[Any]:
+                 timeout_s: float, progress: bool) -> list[Any]:
+    from tqdm.auto import tqdm
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -192,11 +197,14 @@ def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backe
         p.start()
     deadline = time.monotonic() + timeout_s
     done: dict[int, Any] = {}
+    bar = tqdm(total=world_size, disable=not progress, desc="ranks finished",
+               unit="rank")
     try:
         while len(done) < world_size:
             try:
                 rank, status, payload, stamp = results.get(timeout=0.2)
             except queue.Empty:
+                bar.refresh()                   # the clock moves while the ranks start
                 dead = [r for r, p in enumerate(procs)
                         if r not in done and p.exitcode is not None]
                 if dead:
@@ -223,7 +231,9 @@ def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backe
             import torch
 
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            bar.update()
     finally:
+        bar.close()
         for p in procs:
             if p.is_alive() and len(done) < world_size:
                 p.terminate()

@@ -38,12 +38,19 @@ no CPU usage; ``gpu_cache_usage_perc`` is gone, renamed):
 
 prometheus_client adds a ``*_created`` timestamp beside every counter and histogram; they are
 not vLLM metrics, and the course turns them off so that ``/metrics`` shows vLLM's names only.
+Every series exists from the start, at 0 (as vLLM creates its labelled series when the engine
+starts), so that a ``rate()`` over a window that begins before the first preemption counts it.
+
+:func:`serve_metrics` always answers in the classic text format (``text/plain;
+version=0.0.4``), whatever the scraper asks for: see :func:`metrics_app` for why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from wsgiref.simple_server import WSGIServer
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -51,7 +58,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    generate_latest,
 )
 
 from ..sequence import Request
@@ -81,13 +88,19 @@ class Metrics:
         v0 = self.design == "v0"
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg)
+            g = Gauge(name, doc, labels, registry=reg)
+            g.labels(model_name)                       # the series exists at 0 from the start
+            return g
 
         def counter(name: str, doc: str) -> Counter:   # exposed with a _total suffix
-            return Counter(name, doc, labels, registry=reg)
+            c = Counter(name, doc, labels, registry=reg)
+            c.labels(model_name)
+            return c
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+            h = Histogram(name, doc, labels, buckets=buckets, registry=reg)
+            h.labels(model_name)
+            return h
 
         self.num_requests_running = gauge("vllm:num_requests_running",
                                           "Number of requests in the running batch.")
@@ -200,8 +213,70 @@ class Metrics:
         return got
 
 
+CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+WSGIApp = Callable[[dict, Callable], list[bytes]]
+
+
+def classic_text(registry: CollectorRegistry) -> bytes:
+    """The registry in the classic text format, names exactly as registered (colons kept)."""
+    try:
+        return generate_latest(registry, escaping="allow-utf-8")
+    except TypeError:          # prometheus_client before UTF-8 names: it never escapes names
+        return generate_latest(registry)
+
+
+def metrics_app(registry: CollectorRegistry) -> WSGIApp:
+    """A WSGI app: ``GET /metrics`` (or ``/``) answers the registry in the classic text format
+    whatever the ``Accept`` header says; any other path is a 404.
+
+    Why not prometheus_client's own app: it negotiates the format. A Prometheus 2.x server
+    (Debian's 2.42, say) asks for OpenMetrics first and names no escaping scheme, so recent
+    prometheus_client (0.26 here) picks "underscores" escaping (which, by Prometheus' escaping
+    rules, leaves ``:`` alone) and then writes ``# HELP vllm:gpu_cache_usage_perc`` but
+    ``vllm_gpu_cache_usage_perc 0.5`` on the sample line (prometheus/client_python#1177; the
+    fix proposed there escapes the HELP line too). Prometheus
+    then stores every vLLM series with ``_`` for ``:``, and ``vllm:gpu_cache_usage_perc`` finds
+    nothing. The classic text format has no escaping step, every Prometheus reads it (it is the
+    one format all versions accept), and it is what ``curl`` shows, so the names the course
+    teaches are the names a Prometheus server stores.
+    """
+    def app(environ: dict, start_response: Callable) -> list[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"not found: only /metrics is served\n"]
+        body = classic_text(registry)
+        start_response("200 OK", [("Content-Type", CLASSIC_TEXT),
+                                  ("Content-Length", str(len(body)))])
+        return [body]
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per request (a notebook cell or a terminal stays readable), and a
+    client that connects but never sends its request is dropped after 10 s: the one thread
+    answers one request at a time."""
+
+    timeout = 10
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _MetricsServer(WSGIServer):
+    """A client that times out or drops its connection is not worth a traceback."""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+
 def serve_metrics(metrics: Metrics, port: int = 0) -> tuple[WSGIServer, int]:
-    """Serve ``/metrics`` on 127.0.0.1 (port 0: any free port) in a daemon thread.
-    Returns the server (call ``server.shutdown()`` to stop it) and the port."""
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    """Serve ``/metrics`` (classic text format, see :func:`metrics_app`) on 127.0.0.1 (port 0:
+    any free port) from one daemon thread that answers one request at a time. Returns the
+    server (``server.shutdown()`` stops it, ``server.server_close()`` frees the port) and the
+    port. A port in use raises ``OSError``."""
+    server = make_server("127.0.0.1", port, metrics_app(metrics.registry),
+                         server_class=_MetricsServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server, server.server_port

@@ -1,140 +1,148 @@
 """Drawings of a block manager: the physical pool as a grid, each sequence's block table.
 
 The drawing code never reads a ``BlockManager`` directly: :func:`pool_view` turns one into a
-:class:`PoolView` (plain data), and :func:`view_from_tables` builds the same from hand-written
-tables, which is how the source articles' schematic figures are redrawn. One renderer,
-:func:`draw_pool_and_tables`, draws either.
+:class:`PoolView` (plain data, :mod:`course_lib.viz.block_views`), and :func:`view_from_tables`
+builds the same from hand-written tables. One renderer, :func:`draw_pool_and_tables`, draws either.
+
+Readable at 100% zoom: every text is at least ``MIN_FONT_PT`` (9 pt) and a figure is laid out in
+inches, never wider than ``MAX_WIDTH_IN``. At ``EXPLORER_DPI`` (96, the browser's pixels per
+inch) a figure point is a CSS point, so the explorers' images show 9 pt text as 9 pt, unscaled
+in a notebook's output area; the inline backend's 100 dpi shows it a little larger. The tables
+go left of the pool when both fit side by side, above it otherwise; a long table wraps.
 
 Colors: a block held by one sequence takes that sequence's color; a block shared by several
 (ref count > 1) is hatched and labelled with its ref count; a cached block that no sequence holds
-(ref 0, still findable by hash, evictable) is grey with its LRU rank (0 = next victim); a free
-block is white.
+(ref 0, still findable by hash, evictable) is grey and dashed with its LRU rank (0 = next
+victim); a free block is white.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Rectangle
 
 from course_lib import capacity as cap
 from course_lib.memory import BlockManager
+from course_lib.viz.block_views import (  # noqa: F401  (re-exported: the module's old API)
+    _PALETTE,
+    CACHED,
+    CACHED_COLOR,
+    FREE,
+    HELD,
+    SHARED,
+    BlockView,
+    PoolView,
+    pool_view,
+    view_from_tables,
+)
+from course_lib.viz.components import (  # noqa: F401  (re-exported)
+    ARTICLE_COMPONENTS,
+    ComponentRow,
+    component_table,
+)
+from course_lib.viz.readable import (  # noqa: F401  (re-exported for the other drawings)
+    EXPLORER_DPI,
+    MAX_WIDTH_IN,
+    MIN_FONT_PT,
+    figure_texts,
+    shown_font_pt,
+    text_width_in,
+)
 
-FREE, HELD, SHARED, CACHED = "free", "held", "shared", "cached"
-CACHED_COLOR = "#c8c8c8"
-_PALETTE = ["#4c9be8", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2",
-            "#ff9da7", "#9c755f", "#8cd17d"]
+CELL_W, POOL_H, TABLE_H = 0.95, 0.8, 0.62   # inches: a block's width, a pool row, a table row
+MARGIN, GAP, TITLE_H, SUPTITLE_H = 0.15, 0.45, 0.4, 0.45
+FONT_ID, FONT_NOTE, FONT_TOKENS, FONT_LABEL, FONT_TITLE = 11.0, 10.0, 9.5, 11.0, 11.0
+TABLES_TITLE = "block tables: logical → physical"
+
+
+def _short(tokens: tuple, width_in: float) -> str:
+    """Token ids of a block, as many as fit in ``width_in`` at the token font, then '…'."""
+    words = [str(t) for t in tokens]
+    for k in range(len(words), 0, -1):
+        text = " ".join(words[:k]) + (" …" if k < len(words) else "")
+        if text_width_in(text, FONT_TOKENS) <= width_in:
+            return text
+    return "…"
 
 
 @dataclass(frozen=True)
-class BlockView:
-    """One physical block as drawn."""
-    block_id: int
-    ref_count: int
-    owners: tuple[str, ...]        # labels of the tables that point at it
-    state: str                     # FREE | HELD | SHARED | CACHED
-    num_filled: int = 0            # tokens written in it (0 for free blocks)
-    tokens: tuple = ()             # its token ids, when known
-    lru_rank: int | None = None    # CACHED only: 0 = evicted first
+class Layout:
+    """Where the panels go, in inches from the figure's bottom left; ``stacked``: the tables
+    above the pool (they did not fit side by side)."""
+    width: float
+    height: float
+    tables: tuple[float, float, float, float]    # x, y, w, h of the tables' axes
+    pool: tuple[float, float, float, float]
+    label_w: float                               # room left of the entries for the labels
+    cell_w: float
+    table_cols: int                              # entries per row of a table
+    table_rows: int
+    pool_cols: int
+    stacked: bool
+    title: str                                   # the title wrapped to the figure's width
 
 
-@dataclass
-class PoolView:
-    """What a drawing needs: the pool's blocks and the tables (label -> physical ids)."""
-    block_size: int
-    blocks: list[BlockView]
-    tables: dict[str, list[int]]
-    num_tokens: dict[str, int] = field(default_factory=dict)   # label -> tokens in the table
-    color_index: dict[str, int] = field(default_factory=dict)  # label -> palette slot
-
-    def color_of(self, label: str) -> str:
-        i = self.color_index.get(label, list(self.tables).index(label))
-        return _PALETTE[i % len(_PALETTE)]
-
-
-def pool_view(manager: BlockManager, labels: Mapping[int, str] | None = None) -> PoolView:
-    """The GPU pool and GPU-resident tables of a manager. ``labels``: seq id -> name."""
-    labels = dict(labels or {})
-    bs = manager.block_size
-    tables: dict[str, list[int]] = {}
-    num_tokens: dict[str, int] = {}
-    color_index: dict[str, int] = {}
-    owners: dict[int, list[str]] = {}
-    filled: dict[int, int] = {}
-    tokens: dict[int, tuple] = {}
-    for seq_id in sorted(manager.seq_ids(), key=lambda s: (str(type(s)), s)):
-        table = manager.get_table(seq_id)
-        if table.device != "gpu":
-            continue
-        label = labels.get(seq_id, f"seq {seq_id}")
-        tables[label], num_tokens[label] = list(table.blocks), table.num_tokens
-        if isinstance(seq_id, int):
-            color_index[label] = seq_id       # a sequence keeps its color as others come and go
-        for i, block in enumerate(table.blocks):
-            owners.setdefault(block, []).append(label)
-            chunk = tuple(table.token_ids[i * bs:(i + 1) * bs])
-            if len(chunk) >= filled.get(block, -1):
-                filled[block], tokens[block] = len(chunk), chunk
-    parked = manager.gpu.evictable_block_ids()
-    rank = {b: i for i, b in enumerate(parked)}
-    blocks = []
-    for b in range(manager.num_gpu_blocks):
-        ref = manager.ref_count(b)
-        if ref > 1:
-            state = SHARED
-        elif ref == 1:
-            state = HELD
-        else:
-            state = CACHED if b in rank else FREE
-        if state == CACHED:
-            key = manager.cache.key_of(b)
-            filled[b], tokens[b] = bs, key.token_ids
-        blocks.append(BlockView(b, ref, tuple(owners.get(b, ())), state, filled.get(b, 0),
-                                tokens.get(b, ()), rank.get(b)))
-    return PoolView(bs, blocks, tables, num_tokens, color_index)
+def layout(view: PoolView, ncols: int = 8, title: str = "") -> Layout:
+    """Sizes for :func:`draw_pool_and_tables`: cells ``CELL_W`` wide (narrower when ``ncols``
+    would not fit ``MAX_WIDTH_IN``), tables beside the pool when that fits, else above it with
+    each table wrapped to the width."""
+    n = max(len(view.blocks), 1)
+    ncols = max(1, min(ncols, n))
+    cell_w = min(CELL_W, (MAX_WIDTH_IN - 2 * MARGIN) / ncols)
+    pool_w, pool_h = ncols * cell_w, math.ceil(n / ncols) * POOL_H
+    labels = list(view.tables) or [""]
+    label_w = max(text_width_in(label, FONT_LABEL) for label in labels) + 0.15
+    longest = max([len(t) for t in view.tables.values()] + [1])
+    tables_min = text_width_in(TABLES_TITLE, FONT_TITLE)
+    side_w = max(label_w + longest * cell_w, tables_min)
+    stacked = 2 * MARGIN + side_w + GAP + pool_w > MAX_WIDTH_IN
+    cols = longest
+    if stacked:
+        cols = max(1, min(longest, int((MAX_WIDTH_IN - 2 * MARGIN - label_w) / cell_w)))
+    rows = sum(math.ceil(len(t) / cols) for t in view.tables.values()) or 1
+    tables_w, tables_h = max(label_w + cols * cell_w, tables_min), rows * TABLE_H
+    room = MAX_WIDTH_IN - 2 * MARGIN
+    lines = math.ceil(text_width_in(title, FONT_TITLE + 1) / room) if title else 0
+    if lines > 1:
+        title = textwrap.fill(title, int(len(title) / lines) + 4)
+    top = SUPTITLE_H + 0.25 * max(0, lines - 1) if title else 0.0
+    if stacked:
+        width = 2 * MARGIN + max(tables_w, pool_w)
+        height = MARGIN + pool_h + TITLE_H + tables_h + TITLE_H + top
+        tables_box = (MARGIN, MARGIN + pool_h + TITLE_H, tables_w, tables_h)
+        pool_box = (MARGIN, MARGIN, pool_w, pool_h)
+    else:
+        width = 2 * MARGIN + tables_w + GAP + pool_w
+        content = max(tables_h, pool_h)
+        height = MARGIN + content + TITLE_H + top
+        tables_box = (MARGIN, MARGIN + content - tables_h, tables_w, tables_h)
+        pool_box = (MARGIN + tables_w + GAP, MARGIN + content - pool_h, pool_w, pool_h)
+    title_w = max([text_width_in(line, FONT_TITLE + 1) for line in title.splitlines()] + [0])
+    width = max(width, min(MAX_WIDTH_IN, title_w + 2 * MARGIN))
+    return Layout(width, height, tables_box, pool_box, label_w, cell_w, cols, rows, ncols,
+                  stacked, title)
 
 
-def view_from_tables(num_blocks: int, tables: Mapping[str, Sequence[int]], block_size: int = 16,
-                     num_tokens: Mapping[str, int] | None = None) -> PoolView:
-    """A view from hand-written tables (a schematic figure); ref counts are table entries."""
-    owners: dict[int, list[str]] = {}
-    for label, blocks in tables.items():
-        for b in blocks:
-            if not 0 <= b < num_blocks:
-                raise ValueError(f"table {label!r} points at block {b}, the pool has "
-                                 f"blocks 0..{num_blocks - 1}")
-            owners.setdefault(b, []).append(label)
-    num_tokens = {k: len(v) * block_size for k, v in tables.items()} | dict(num_tokens or {})
-    filled: dict[int, int] = {}
-    for label, blocks in tables.items():
-        for i, b in enumerate(blocks):
-            n = min(block_size, max(0, num_tokens[label] - i * block_size))
-            filled[b] = max(filled.get(b, 0), n)
-    blocks = []
-    for b in range(num_blocks):
-        who = tuple(owners.get(b, ()))
-        state = SHARED if len(who) > 1 else HELD if who else FREE
-        blocks.append(BlockView(b, len(who), who, state, filled.get(b, 0)))
-    return PoolView(block_size, blocks, {k: list(v) for k, v in tables.items()}, num_tokens)
-
-
-def _short(tokens: tuple, width: int = 4) -> str:
-    """Token ids of a block, shortened to fit in a cell."""
-    text = " ".join(str(t) for t in tokens[:width])
-    return text + (" …" if len(tokens) > width else "")
+def _place(fig: Figure, box: tuple[float, float, float, float], size: tuple[float, float]):
+    x, y, w, h = box
+    return fig.add_axes((x / size[0], y / size[1], w / size[0], h / size[1]))
 
 
 def draw_pool(view: PoolView, ax, ncols: int = 8, show_tokens: bool = False,
-              title: str = "physical block pool") -> dict[int, tuple[float, float]]:
-    """The pool as a grid of blocks; returns each block's cell centre (for arrows)."""
+              title: str = "physical block pool",
+              cell_w: float = CELL_W) -> dict[int, tuple[float, float]]:
+    """The pool as a grid of unit cells (``cell_w`` inches wide, for fitting token ids);
+    returns each block's cell centre in data units (for arrows)."""
     n = len(view.blocks)
     ncols = max(1, min(ncols, n))
     nrows = -(-n // ncols) if n else 1
+    fit = cell_w - 0.1
     centres = {}
     for b in view.blocks:
         x, y = b.block_id % ncols, nrows - 1 - b.block_id // ncols
@@ -148,83 +156,93 @@ def draw_pool(view: PoolView, ax, ncols: int = 8, show_tokens: bool = False,
         ax.add_patch(Rectangle((x + 0.04, y + 0.04), 0.92, 0.92, facecolor=face, hatch=hatch,
                                edgecolor="black", linestyle=style,
                                linewidth=2.0 if b.state == SHARED else 1.0, alpha=0.9))
-        box = {"facecolor": "white", "alpha": 0.75, "pad": 0.6, "edgecolor": "none"} \
+        box = {"facecolor": "white", "alpha": 0.8, "pad": 0.8, "edgecolor": "none"} \
             if b.state == SHARED else None
-        ax.text(x + 0.5, y + 0.78, f"#{b.block_id}", ha="center", va="center", fontsize=8,
-                fontweight="bold", bbox=box)
-        if b.state == SHARED:
-            note = f"ref {b.ref_count}"
-        elif b.state == CACHED:
-            note = f"cached\nLRU {b.lru_rank}"
-        elif b.state == HELD:
-            note = f"{b.num_filled}/{view.block_size}"
-        else:
-            note = "free"
-        if show_tokens and b.tokens and b.state != FREE:
-            note = _short(b.tokens) + "\n" + note
-        ax.text(x + 0.5, y + 0.36, note, ha="center", va="center", fontsize=5.5, bbox=box)
+        note = {SHARED: f"ref {b.ref_count}", CACHED: f"LRU {b.lru_rank}",
+                HELD: f"{b.num_filled}/{view.block_size}"}.get(b.state, "free")
+        tokens = _short(b.tokens, fit) if show_tokens and b.tokens and b.state != FREE else ""
+        top, bottom = (0.8, 0.2) if tokens else (0.72, 0.3)
+        ax.text(x + 0.5, y + top, f"#{b.block_id}", ha="center", va="center",
+                fontsize=FONT_ID, fontweight="bold", bbox=box)
+        if tokens:
+            ax.text(x + 0.5, y + 0.5, tokens, ha="center", va="center", fontsize=FONT_TOKENS,
+                    bbox=box)
+        ax.text(x + 0.5, y + bottom, note, ha="center", va="center", fontsize=FONT_NOTE,
+                bbox=box)
     ax.set_xlim(0, ncols)
     ax.set_ylim(0, nrows)
-    ax.set_aspect("equal")
     ax.set_axis_off()
-    ax.set_title(title, fontsize=9)
+    if title:
+        ax.set_title(title, fontsize=FONT_TITLE, loc="left")
     return centres
 
 
-def draw_tables(view: PoolView, ax, show_tokens: bool = True,
-                title: str = "block tables (logical -> physical)") -> dict[tuple[str, int], tuple]:
-    """One row per table: logical block i and the physical block it maps to. Returns each
-    entry's right-edge point (for arrows)."""
+def draw_tables(view: PoolView, ax, table_cols: int | None = None, show_tokens: bool = True,
+                title: str = TABLES_TITLE) -> dict[tuple[str, int], tuple[float, float]]:
+    """One row per table (``table_cols`` entries a row, wrapping): logical block i and the
+    physical block it maps to, with its token range when ``show_tokens``. The axes' x range
+    must start left of 0 to leave room for the labels. Returns each entry's lower-left corner
+    (entries are unit squares, for arrows)."""
     bs = view.block_size
-    width = max([len(t) for t in view.tables.values()] + [1])
-    rows = max(len(view.tables), 1)
-    anchors = {}
-    for r, (label, blocks) in enumerate(view.tables.items()):
-        y = rows - 1 - r
-        ax.text(-0.1, y + 0.5, label, ha="right", va="center", fontsize=8)
+    cols = table_cols or max([len(t) for t in view.tables.values()] + [1])
+    rows = sum(-(-len(t) // cols) for t in view.tables.values()) or 1
+    corners = {}
+    row = 0
+    for label, blocks in view.tables.items():
+        ax.text(-0.1, rows - row - 0.5, label, ha="right", va="center", fontsize=FONT_LABEL)
         n = view.num_tokens.get(label, len(blocks) * bs)
         for i, b in enumerate(blocks):
-            ax.add_patch(Rectangle((i + 0.04, y + 0.08), 0.92, 0.84,
+            x, y = i % cols, rows - 1 - (row + i // cols)
+            ax.add_patch(Rectangle((x + 0.04, y + 0.08), 0.92, 0.84,
                                    facecolor=view.color_of(label), edgecolor="black", alpha=0.9))
             text = f"L{i}→#{b}"
             if show_tokens:
                 last = min(n, (i + 1) * bs) - 1
                 text += f"\nt{i * bs}–t{last}" if last > i * bs else f"\nt{i * bs}"
-            ax.text(i + 0.5, y + 0.5, text, ha="center", va="center", fontsize=6.5)
-            anchors[(label, i)] = (i + 0.96, y + 0.5)
+            ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=FONT_NOTE)
+            corners[(label, i)] = (float(x), float(y))
+        row += -(-len(blocks) // cols)
     if not view.tables:
-        ax.text(0.5, 0.5, "(no sequences)", ha="center", va="center", fontsize=8)
-    ax.set_xlim(-1.6, width)
+        ax.text(0.0, 0.5, "(no sequences)", ha="left", va="center", fontsize=FONT_LABEL)
     ax.set_ylim(0, rows)
-    ax.set_aspect("equal")
     ax.set_axis_off()
-    ax.set_title(title, fontsize=9)
-    return anchors
+    if title:
+        ax.set_title(title, fontsize=FONT_TITLE, loc="left")
+    return corners
+
+
+def _ranges_fit(view: PoolView, cell_w: float) -> bool:
+    """Whether every entry's token range ("t1000–t1015") fits its cell at the note font."""
+    longest = max([len(t) for t in view.tables.values()] + [0])
+    last = longest * view.block_size
+    return text_width_in(f"t{last}–t{last}", FONT_NOTE) <= cell_w - 0.08
 
 
 def draw_pool_and_tables(view: PoolView | BlockManager, title: str = "", ncols: int = 8,
                          show_tokens: bool = False, arrows: bool = False,
                          labels: Mapping[int, str] | None = None) -> Figure:
-    """Tables on the left, the pool on the right; ``arrows`` links each entry to its block."""
+    """The tables and the pool (``ncols`` blocks a row), laid out by :func:`layout`;
+    ``arrows`` links each entry to its block. ``show_tokens``: token ids in the pool's cells."""
     if isinstance(view, BlockManager):
         view = pool_view(view, labels)
-    n = max(len(view.blocks), 1)
-    nrows = -(-n // max(1, min(ncols, n)))
-    width = max([len(t) for t in view.tables.values()] + [1])
-    rows = max(len(view.tables), 1)
-    fig = Figure(figsize=(min(16.0, 2.2 + 0.9 * (width + ncols)),
-                          max(2.2, 0.75 * max(rows, nrows) + 1.0)))
-    ax_t, ax_p = fig.subplots(1, 2, gridspec_kw={"width_ratios": [width + 1.6, ncols]})
-    anchors = draw_tables(view, ax_t, show_tokens=width <= 8)   # ranges fit short tables only
-    centres = draw_pool(view, ax_p, ncols=ncols, show_tokens=show_tokens)
+    lay = layout(view, ncols, title)
+    size = (lay.width, lay.height)
+    fig = Figure(figsize=size)
+    ax_t, ax_p = _place(fig, lay.tables, size), _place(fig, lay.pool, size)
+    corners = draw_tables(view, ax_t, lay.table_cols, show_tokens=_ranges_fit(view, lay.cell_w))
+    ax_t.set_xlim(-lay.label_w / lay.cell_w, lay.tables[2] / lay.cell_w - lay.label_w / lay.cell_w)
+    centres = draw_pool(view, ax_p, ncols=lay.pool_cols, show_tokens=show_tokens,
+                        cell_w=lay.cell_w)
     if arrows:
-        for (label, i), start in anchors.items():
-            end = centres[view.tables[label][i]]
-            fig.add_artist(ConnectionPatch(start, (end[0] - 0.46, end[1]), "data", "data",
-                                           axesA=ax_t, axesB=ax_p, arrowstyle="->",
-                                           color=view.color_of(label), alpha=0.8, lw=1.0))
+        for (label, i), (x, y) in corners.items():
+            cx, cy = centres[view.tables[label][i]]
+            start, end = ((x + 0.5, y + 0.08), (cx, cy + 0.46)) if lay.stacked else \
+                ((x + 0.96, y + 0.5), (cx - 0.46, cy))
+            fig.add_artist(ConnectionPatch(start, end, "data", "data", axesA=ax_t, axesB=ax_p,
+                                           arrowstyle="->", color=view.color_of(label),
+                                           alpha=0.8, lw=1.0))
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(lay.title, fontsize=FONT_TITLE + 1, y=1 - 0.08 / lay.height, va="top")
     return fig
 
 
@@ -234,30 +252,33 @@ def draw_static_vs_paged(used: Sequence[int], reserved: int, view: PoolView,
     (top) vs a paged pool (bottom)."""
     if len(labels) < len(used):
         raise ValueError(f"need a label per request, got {len(labels)} for {len(used)}")
-    fig = Figure(figsize=(10, 4.0))
-    ax_s, ax_p = fig.subplots(2, 1, gridspec_kw={"height_ratios": [1.1, 1.4]})
+    n = len(view.blocks)
+    fig = Figure(figsize=(MAX_WIDTH_IN, 1.3 + 0.45 * len(used) + POOL_H))
+    ax_s, ax_p = fig.subplots(2, 1, gridspec_kw={"height_ratios": [0.45 * len(used), POOL_H]})
     for r, (label, u) in enumerate(zip(labels, used, strict=False)):
         y = len(used) - 1 - r
         if u > reserved:
             raise ValueError(f"request {label} uses {u} tokens, more than the {reserved} reserved")
-        ax_s.add_patch(Rectangle((0, y + 0.15), u, 0.7, facecolor="#59a14f", edgecolor="black"))
-        ax_s.add_patch(Rectangle((u, y + 0.15), reserved - u, 0.7, facecolor="#f28e2b",
+        ax_s.add_patch(Rectangle((0, y + 0.12), u, 0.76, facecolor="#59a14f", edgecolor="black"))
+        ax_s.add_patch(Rectangle((u, y + 0.12), reserved - u, 0.76, facecolor="#f28e2b",
                                  hatch="//", alpha=0.5, edgecolor="black"))
-        ax_s.text(-15, y + 0.5, f"request {label}", ha="right", va="center", fontsize=8)
-        ax_s.text(u / 2, y + 0.5, f"used {u}", ha="center", va="center", fontsize=8)
+        ax_s.text(-0.02 * reserved, y + 0.5, f"request {label}", ha="right", va="center",
+                  fontsize=FONT_NOTE)
+        ax_s.text(u / 2, y + 0.5, f"used {u}", ha="center", va="center", fontsize=FONT_NOTE)
         ax_s.text(u + (reserved - u) / 2, y + 0.5, f"reserved, unused {reserved - u}",
-                  ha="center", va="center", fontsize=8)
+                  ha="center", va="center", fontsize=FONT_NOTE,
+                  bbox={"facecolor": "white", "alpha": 0.8, "pad": 1, "edgecolor": "none"})
     total = reserved * len(used)
-    ax_s.set_xlim(-160, reserved)
+    ax_s.set_xlim(-0.14 * reserved, reserved)
     ax_s.set_ylim(0, len(used))
     ax_s.set_axis_off()
     ax_s.set_title(f"static: {reserved} slots reserved per request, {sum(used)} of {total} "
-                   f"used ({100 * sum(used) / total:.1f}%)", fontsize=9)
-    centres = draw_pool(view, ax_p, ncols=len(view.blocks), title="")
-    ax_p.set_title("paged: blocks taken on demand from one pool; "
+                   f"used ({100 * sum(used) / total:.1f}%)", fontsize=FONT_TITLE)
+    draw_pool(view, ax_p, ncols=n, title="", cell_w=(MAX_WIDTH_IN - 0.3) / max(n, 1))
+    ax_p.set_title("paged: blocks taken on demand from one pool\n"
                    + ", ".join(f"{k}: " + " ".join(f"L{i}→#{b}" for i, b in enumerate(v))
-                               for k, v in view.tables.items()), fontsize=9)
-    del centres
+                               for k, v in view.tables.items()), fontsize=FONT_TITLE)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.03, top=0.9, hspace=0.9)
     return fig
 
 
@@ -274,80 +295,31 @@ def draw_block_across_layers(spec: cap.ModelSpec, block_id: int = 3, num_blocks:
     k = cap.k_block_bytes_per_layer(spec, block_size)
     layers = [*range(layers_shown - 1), spec.num_layers - 1]
     n = len(layers)
-    fig = Figure(figsize=(7.5, 0.9 + 0.75 * n))
+    fig = Figure(figsize=(MAX_WIDTH_IN, 1.1 + 0.95 * n))
     ax = fig.add_subplot()
     for r, layer in enumerate(layers):
         y = 2.4 * (n - 1 - r) + (1.0 if r < n - 1 else 0.0)   # a gap before the last layer
         for dy, kind in ((1, "K"), (0, "V")):
             ax.text(-0.2, y + dy + 0.45, f"layer {layer} {kind}", ha="right", va="center",
-                    fontsize=7)
+                    fontsize=FONT_NOTE)
             for b in range(num_blocks):
                 hit = b == block_id
                 ax.add_patch(Rectangle((b + 0.05, y + dy + 0.05), 0.9, 0.8, edgecolor="black",
                                        facecolor="C0" if hit else "white", linewidth=0.6))
-                ax.text(b + 0.5, y + dy + 0.45, f"#{b}", ha="center", va="center", fontsize=6,
-                        color="white" if hit else "black")
+                ax.text(b + 0.5, y + dy + 0.45, f"#{b}", ha="center", va="center",
+                        fontsize=FONT_NOTE, color="white" if hit else "black")
         ax.text(num_blocks + 0.2, y + 0.95, f"K+V {cap.format_bytes(2 * k)}", va="center",
-                fontsize=7)
+                fontsize=FONT_NOTE)
     ax.text(num_blocks / 2, 2.7, f"... {spec.num_layers - n} more layers ...", ha="center",
-            va="center", fontsize=7)
-    ax.set_xlim(-2.2, num_blocks + 2.0)
+            va="center", fontsize=FONT_NOTE)
+    ax.set_xlim(-2.0, num_blocks + 2.0)
     ax.set_ylim(-0.2, 2.4 * (n - 1) + 3.2)
     ax.set_axis_off()
     k_text, total = cap.format_bytes(k), cap.format_bytes(cap.block_bytes(spec, block_size))
     ax.set_title(f"{spec.name}, block_size {block_size}: block #{block_id} = K {k_text} + V "
-                 f"{k_text} in each of {spec.num_layers} layers = {total}", fontsize=9)
+                 f"{k_text} in each of {spec.num_layers} layers = {total}", fontsize=FONT_TITLE)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.03, top=0.88)
     return fig
-
-
-class ComponentRow(NamedTuple):
-    """One component of the Block Manager tutorial's §3.1 table, then (vLLM 0.6.3) and now."""
-    component: str
-    role: str
-    course: str     # course_lib names (dotted paths under course_lib, checked by the tests)
-    v0: str         # vLLM 0.6.3's (V0) class and file
-    v1: str         # vLLM 0.33.0's (V1) class and file
-
-
-ARTICLE_COMPONENTS = (
-    ComponentRow("Block Allocator (GPU)", "hands out and takes back the GPU pool's blocks",
-                 "memory.pool.BlockAllocator (BlockManager.gpu); V1 twin: "
-                 "memory.block_pool.BlockPool",
-                 "NaiveBlockAllocator / PrefixCachingBlockAllocator inside CpuGpuBlockAllocator "
-                 "(vllm/core/block/cpu_gpu_block_allocator.py)",
-                 "BlockPool (vllm/v1/core/block_pool.py) over FreeKVCacheBlockQueue "
-                 "(vllm/v1/core/kv_cache_utils.py)"),
-    ComponentRow("Block Allocator (CPU)", "a CPU pool that holds swapped-out blocks",
-                 "memory.pool.BlockAllocator (BlockManager.cpu, used by swap_out / swap_in)",
-                 "the CPU half of CpuGpuBlockAllocator "
-                 "(vllm/core/block/cpu_gpu_block_allocator.py)",
-                 "none: V1 preempts by recompute, never swaps; an optional CPU offload of "
-                 "cached blocks lives in vllm/v1/kv_offload/"),
-    ComponentRow("Block Table", "maps a sequence's logical blocks to physical ones",
-                 "memory.block_table.BlockTable; V1 twin: the req_to_blocks of "
-                 "memory.kv_cache_manager.KVCacheManager",
-                 "BlockTable (vllm/core/block/block_table.py)",
-                 "req_to_blocks in SingleTypeKVCacheManager "
-                 "(vllm/v1/core/single_type_kv_cache_manager.py); the GPU copy the kernels "
-                 "read: BlockTable (vllm/v1/worker/block_table.py)"),
-    ComponentRow("Evictor", "picks which cached free block to reuse first (LRU)",
-                 "memory.pool.BlockAllocator.evictable_block_ids (an LRU OrderedDict)",
-                 "LRUEvictor (vllm/core/evictor_v2.py)",
-                 "no separate object: FreeKVCacheBlockQueue's order is the LRU, and "
-                 "BlockPool.get_new_blocks drops a reused block's hash "
-                 "(vllm/v1/core/block_pool.py)"),
-)
-
-
-def component_table(rows: Sequence[ComponentRow] = ARTICLE_COMPONENTS) -> str:
-    """The §3.1 components as text: role, course_lib name, vLLM 0.6.3 and vLLM 0.33.0."""
-    lines = []
-    for r in rows:
-        lines.append(f"{r.component}: {r.role}")
-        for name, text in (("course_lib", r.course), ("vLLM 0.6.3", r.v0), ("vLLM 0.33.0", r.v1)):
-            lines += textwrap.wrap(text, 96, initial_indent=f"  {name:<12} ",
-                                   subsequent_indent=" " * 15)
-    return "\n".join(lines)
 
 
 def figure_png(fig: Figure, dpi: int = 80) -> bytes:

@@ -184,11 +184,11 @@ def draw_memory_budget(budgets: Sequence[tuple[str, cap.KVBudget]]) -> Figure:
         lefts = [a + b for a, b in zip(lefts, sizes, strict=True)]
     for y, (_, b) in enumerate(budgets):
         ax.annotate(f"{b.num_gpu_blocks:,} blocks", (lefts[y], y), xytext=(4, 0),
-                    textcoords="offset points", va="center", fontsize=8)
+                    textcoords="offset points", va="center", fontsize=9.5)
     ax.invert_yaxis()
     ax.set_xlim(0, max(lefts) * 1.25)
     ax.set_xlabel("GiB on one GPU")
-    ax.legend(fontsize=7, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.legend(fontsize=9, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout()
     return fig
 
@@ -301,10 +301,11 @@ class ExplorerState:
         return f"{text}\n{warning}" if warning else text
 
 
-def figure_png(fig: Figure) -> bytes:
-    """PNG bytes of fig, without the Software tag (so bytes depend on the drawing only)."""
+def figure_png(fig: Figure, dpi: int = 96) -> bytes:
+    """PNG bytes of fig, without the Software tag (so bytes depend on the drawing only); at
+    96 dpi a figure point is a CSS point at 100% zoom (``course_lib.viz.blocks.EXPLORER_DPI``)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80, metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
     return buf.getvalue()
 
 

@@ -21,6 +21,7 @@ from ..memory.block_pool import BlockPool
 from ..sim.replay import ReplayResult, replay
 from ..sim.traces import sharegpt_like, with_parallel_sampling
 from .blocks import figure_png
+from .readable import EXPLORER_DPI, MAX_WIDTH_IN
 
 LABELS = {"v0": "V0 (paper): CoW + swap", "v1": "V1 (vLLM today): child requests + cache"}
 
@@ -42,7 +43,7 @@ def compare_designs(num_requests: int = 60, n: int = 2, num_gpu_blocks: int = 60
 
 
 def draw_designs(results: dict[str, ReplayResult]) -> Figure:
-    fig = Figure(figsize=(11, 3.2))
+    fig = Figure(figsize=(MAX_WIDTH_IN, 3.8))
     axes = fig.subplots(1, 3)
     for design, r in results.items():
         t = [s.time for s in r.steps]
@@ -55,8 +56,13 @@ def draw_designs(results: dict[str, ReplayResult]) -> Figure:
     axes[1].set(xlabel="simulated time (s)", ylabel="preemptions so far", title="preemptions")
     axes[2].set(xlabel="simulated time (s)", ylabel="% of table entries shared",
                 title="blocks shared (CoW or cache hits)")
-    axes[0].legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    for ax in axes:
+        ax.tick_params(labelsize=9)
+        ax.title.set_fontsize(10)
+        ax.xaxis.label.set_fontsize(9.5)
+        ax.yaxis.label.set_fontsize(9.5)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=9, loc="lower center", ncols=2)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     return fig
 
 
@@ -89,7 +95,7 @@ class DesignExplorer:
     def show(self) -> None:
         results = compare_designs(self.num_requests, self.n.value, self.blocks.value,
                                   self.caching.value)
-        self.image.value = figure_png(draw_designs(results))
+        self.image.value = figure_png(draw_designs(results), EXPLORER_DPI)
         self.text.value = f"<pre>{html.escape(chr(10).join(summary_rows(results)))}</pre>"
 
 

@@ -19,6 +19,7 @@ import ipywidgets as widgets
 
 from course_lib.memory import AllocStatus, BlockManager
 from course_lib.viz.blocks import draw_pool_and_tables, figure_png
+from course_lib.viz.readable import EXPLORER_DPI
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class ScenarioRun:
 class BlockTableExplorer:
     """A step slider over a scenario; ``image`` shows the pool and tables at that step."""
 
-    def __init__(self, scenario: Scenario | None = None, dpi: int = 90) -> None:
+    def __init__(self, scenario: Scenario | None = None, dpi: int = EXPLORER_DPI) -> None:
         self.scenario = scenario or default_scenario()
         self.dpi = dpi
         last = len(self.scenario.steps)
@@ -276,7 +277,7 @@ class PrefixCacheExplorer:
     """Pick a prompt, submit it; see its hits, its hash chain, the pool and the LRU order."""
 
     def __init__(self, prompts: Mapping[str, Prompt] | None = None,
-                 block_size: int = 4, num_gpu_blocks: int = 16, dpi: int = 90) -> None:
+                 block_size: int = 4, num_gpu_blocks: int = 16, dpi: int = EXPLORER_DPI) -> None:
         prompts = chat_prompts() if prompts is None else prompts
         if not prompts:
             raise ValueError("give at least one prompt: {name: (token_ids, extra_key, reply)}")

@@ -16,6 +16,7 @@ from course_lib import capacity as cap
 from course_lib.parallel import strategy
 from course_lib.parallel.cp_decode import CPCase
 from course_lib.viz.blocks import figure_png
+from course_lib.viz.readable import EXPLORER_DPI
 
 
 def draw_cp_layout(case: CPCase, cp_size: int) -> Figure:
@@ -109,13 +110,13 @@ def draw_plan(p: strategy.DeploymentPlan, context_len: int, label: str = "") -> 
     bars = ax.barh(labels, values, color=["C0", "C2" if fits else "C3", "C7"])
     for bar, v in zip(bars, values, strict=True):
         ax.annotate(f" {v:,}", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
-                    va="center", fontsize=8)
+                    va="center", fontsize=9.5)
     limit = p.model.max_position_embeddings
     beyond = 0 < limit < context_len
     ax.axvline(context_len, color="C3" if beyond else "k", linestyle="--", linewidth=1,
                label=f"request: {context_len:,} tokens"
                      + (f" > the model's context ({limit:,})" if beyond else ""))
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=9.5, loc="lower right")
     ax.set_xlim(0, max(*values, context_len) * 1.35)
     ax.xaxis.set_major_formatter(_tokens)
     verdict = ("fits" if fits else "does NOT fit") + (
@@ -124,7 +125,7 @@ def draw_plan(p: strategy.DeploymentPlan, context_len: int, label: str = "") -> 
     ax.set_title(f"{label}{p.model.name}: {p.num_gpus} GPU(s), TP={p.tensor_parallel_size}, "
                  f"CP={p.context_parallel_size}: {verdict}", fontsize=10,
                  color="C3" if beyond else "k")
-    ax.tick_params(axis="y", labelsize=8)
+    ax.tick_params(axis="y", labelsize=9.5)
     fig.tight_layout()
     return fig
 
@@ -209,11 +210,11 @@ class StrategyExplorer:
         else:
             fig = Figure(figsize=(7.5, 1.2))
             fig.text(0.5, 0.5, "no plan: " + (self.error or "")[:90], ha="center",
-                     color="C3", fontsize=9)
+                     color="C3", fontsize=10)
             self.text = f"your plan does not fit: {self.error}"
         self.text += (f"\n\nrecommended by the decision tree for a {self.context.value:,}-token "
                       f"request:\n{self.recommendation}")
-        self.png = figure_png(fig)
+        self.png = figure_png(fig, EXPLORER_DPI)
         self.image.value = self.png
         self.html.value = f"<pre style='font-size:11px'>{html.escape(self.text)}</pre>"
 

@@ -19,6 +19,7 @@ from matplotlib.patches import Rectangle
 
 from ..sim.replay import PreemptionCost, ReplayResult, StepRecord
 from .blocks import figure_png
+from .readable import EXPLORER_DPI, MAX_WIDTH_IN, MIN_FONT_PT, text_width_in
 
 PREFILL, DECODE, PREEMPT = "#9ecae1", "#08519c", "#d62728"
 
@@ -46,7 +47,11 @@ def describe_step(steps: Sequence[StepRecord], index: int) -> str:
 
 def draw_timeline(steps: Sequence[StepRecord], current: int | None = None,
                   first: int = 0, last: int | None = None) -> Figure:
-    """Requests (rows) x steps (columns) for steps ``first..last`` (recorded batches)."""
+    """Requests (rows) x steps (columns) for steps ``first..last`` (recorded batches).
+
+    At most ``MAX_WIDTH_IN`` wide with every text at least 9 pt: a prefill cell shows its token
+    count only when the number fits its column (40 steps do at 9 pt; wider windows lose the
+    numbers, not their size)."""
     last = len(steps) if last is None else min(last, len(steps))
     if not 0 <= first < last:
         raise ValueError(f"need 0 <= first < last <= {len(steps)}, got first={first}, "
@@ -55,7 +60,9 @@ def draw_timeline(steps: Sequence[StepRecord], current: int | None = None,
                   | {rid for s in steps[first:last] for rid, _ in s.preempted})
     row = {rid: i for i, rid in enumerate(rids)}
     width = last - first
-    fig = Figure(figsize=(min(14.0, 2.0 + 0.28 * width), 1.0 + 0.28 * max(1, len(rids))))
+    fig_w = min(MAX_WIDTH_IN, 1.2 + 0.3 * width)
+    col_in = (fig_w - 0.9) / width                  # the axes span about fig_w - 0.9 inches
+    fig = Figure(figsize=(fig_w, 1.3 + 0.3 * max(1, len(rids))))
     ax = fig.add_subplot()
     for x, s in enumerate(steps[first:last]):
         cells: dict[int, tuple[int, bool]] = {}
@@ -65,22 +72,22 @@ def draw_timeline(steps: Sequence[StepRecord], current: int | None = None,
         for rid, (tokens, pre) in cells.items():
             ax.add_patch(Rectangle((x, row[rid]), 0.92, 0.85,
                                    facecolor=PREFILL if pre else DECODE, edgecolor="none"))
-            if pre:
+            if pre and text_width_in(str(tokens), MIN_FONT_PT) <= 0.92 * col_in:
                 ax.text(x + 0.46, row[rid] + 0.42, str(tokens), ha="center", va="center",
-                        fontsize=6)
+                        fontsize=MIN_FONT_PT)
         for rid, mode in s.preempted:
             ax.text(x + 0.46, row[rid] + 0.42, "S" if mode == "swap" else "x", ha="center",
-                    va="center", color=PREEMPT, fontsize=10, fontweight="bold")
+                    va="center", color=PREEMPT, fontsize=12, fontweight="bold")
     if current is not None and first <= current < last:
-        ax.axvline(current - first + 0.46, color="black", lw=1, alpha=0.6)
+        ax.axvline(current - first + 0.46, color="black", lw=1.5, alpha=0.6)
     ax.set_xlim(0, width)
     ax.set_ylim(len(rids), 0)
-    ax.set_yticks([i + 0.42 for i in range(len(rids))], [f"r{r}" for r in rids], fontsize=7)
+    ax.set_yticks([i + 0.42 for i in range(len(rids))], [f"r{r}" for r in rids], fontsize=9.5)
     ticks = list(range(0, width, max(1, width // 10)))
-    ax.set_xticks([t + 0.46 for t in ticks], [str(first + t) for t in ticks], fontsize=7)
-    ax.set_xlabel("step")
+    ax.set_xticks([t + 0.46 for t in ticks], [str(first + t) for t in ticks], fontsize=9.5)
+    ax.set_xlabel("step", fontsize=10)
     ax.set_title("light: prefill chunk (tokens)   dark: decode   x: preempted (recompute)   "
-                 "S: swapped out", fontsize=8)
+                 "S: swapped out", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -104,7 +111,7 @@ class TimelineExplorer:
         self.step = step
         first = max(0, min(step - self.window // 2, len(self.steps) - self.window))
         self.image.value = figure_png(draw_timeline(self.steps, step, first,
-                                                    first + self.window))
+                                                    first + self.window), EXPLORER_DPI)
         self.text.value = f"<pre>{html.escape(describe_step(self.steps, step))}</pre>"
 
 
