@@ -5,10 +5,13 @@ head_dim 128, bf16, block_size 16. Decode reads every cached K and V once, so th
 merit is bytes of K/V read / time, as a fraction of the GPU's data-sheet peak (target >= 80% on
 H100/H200). The baseline is ``torch.nn.functional.scaled_dot_product_attention`` on the same
 K/V stored contiguously (``enable_gqa=True``); target: paged / contiguous time <= 1.10. A sweep
-of batch x context follows. On a GPU the figures are also saved to
+of batch x context follows, then (``--tiles``) a sweep of the decode kernel's launch
+configuration (tile 32/64 x stages 3/4/5 x warps 4/8) that records the best one per shape next
+to the heuristic's choice. On a GPU the figures are also saved to
 ``bench/results/kernels_<gpu>.json``, which chapter 04 shows when it runs on CPU.
 
     PYTHONPATH=. python3 bench/kernels.py            # GPU: large case + sweep
+    PYTHONPATH=. python3 bench/kernels.py --tiles    # + the tile sweep (scripts/gpu_check.sh)
     PYTHONPATH=. python3 bench/kernels.py --quick    # smaller sweep
 On a machine without a GPU it says so and runs small shapes through Triton's interpreter
 (timings of the interpreter, not of a kernel).
@@ -81,8 +84,9 @@ def sdpa_runner(q4, k, v, scale):
 
 
 def measure(batch, ctx, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16,
-            peak=None, device="cuda") -> dict:
-    """One decode problem: paged Triton kernel vs SDPA on contiguous K/V, same inputs."""
+            peak=None, device="cuda", **launch) -> dict:
+    """One decode problem: paged Triton kernel vs SDPA on contiguous K/V, same inputs.
+    ``launch``: ``tile_n`` / ``num_warps`` / ``num_stages`` overrides for ``decode_tiles``."""
     from course_lib.kernels.paged_decode import paged_decode
     from course_lib.kernels.tiles import decode_tiles
 
@@ -93,7 +97,7 @@ def measure(batch, ctx, heads, kv_heads, head_dim, block_size, dtype=torch.bfloa
     sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 1
     tiles = decode_tiles(head_dim=head_dim, group=heads // kv_heads, max_seq_len=ctx,
                          num_seqs=batch, num_kv_heads=kv_heads, interpreted=not on_gpu,
-                         num_sms=sms)
+                         num_sms=sms, **launch)
     out = torch.empty_like(q)
 
     def paged():
@@ -108,7 +112,8 @@ def measure(batch, ctx, heads, kv_heads, head_dim, block_size, dtype=torch.bfloa
     gbps = nbytes / t_paged / 1e9
     return dict(batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 block_size=block_size, dtype=str(dtype).removeprefix("torch."),
-                num_splits=tiles.num_splits, tile_n=tiles.tile_n, paged_ms=t_paged * 1e3,
+                num_splits=tiles.num_splits, tile_n=tiles.tile_n, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages, paged_ms=t_paged * 1e3,
                 sdpa_ms=t_sdpa * 1e3, sdpa_backend=sdpa_name, ratio=t_paged / t_sdpa,
                 gbps=gbps, sdpa_gbps=nbytes / t_sdpa / 1e9,
                 peak_fraction=None if peak is None else gbps / peak, max_abs_diff=diff)
@@ -125,7 +130,42 @@ HEADER = (f"{'batch':>5} {'ctx':>6} {'block':>5} {'paged ms':>10} {'sdpa ms':>10
           f"{'ratio':>6} {'GB/s':>8} {'%peak':>7} {'splits':>6}")
 
 
-def run_gpu(quick: bool, save: bool = True) -> None:
+TILE_SHAPES = ((1, 4096), (8, 4096), (64, 4096), (16, 16384))   # batch x context, 32/8 heads
+
+
+def tile_sweep(peak: float | None) -> list[dict]:
+    """Every (tile_n, num_stages, num_warps) on a few shapes; the best per shape by time, beside
+    the heuristic's choice (``decode_tiles`` defaults)."""
+    print("\ntile sweep (32/8 heads, head_dim 128, bf16, block 16): tile x stages x warps")
+    results = []
+    for batch, ctx in TILE_SHAPES:
+        default = measure(batch, ctx, 32, 8, 128, 16, peak=peak)
+        tried = []
+        for tile_n in (32, 64):
+            for num_stages in (3, 4, 5):
+                for num_warps in (4, 8):
+                    try:
+                        r = measure(batch, ctx, 32, 8, 128, 16, peak=peak, tile_n=tile_n,
+                                    num_stages=num_stages, num_warps=num_warps)
+                    except Exception as exc:   # e.g. out of shared memory: say so, go on
+                        print(f"  {batch}x{ctx} tile {tile_n} stages {num_stages} warps "
+                              f"{num_warps}: {type(exc).__name__}: {str(exc)[:120]}")
+                        continue
+                    tried.append({k: r[k] for k in ("tile_n", "num_stages", "num_warps",
+                                                    "num_splits", "paged_ms", "gbps")})
+                    torch.cuda.empty_cache()
+        best = min(tried, key=lambda t: t["paged_ms"])
+        print(f"  {batch:>3} x {ctx:>5}: heuristic tile {default['tile_n']} stages "
+              f"{default['num_stages']} warps {default['num_warps']} -> {default['gbps']:.0f} "
+              f"GB/s; best tile {best['tile_n']} stages {best['num_stages']} warps "
+              f"{best['num_warps']} -> {best['gbps']:.0f} GB/s", flush=True)
+        results.append(dict(batch=batch, ctx=ctx, heuristic={k: default[k] for k in (
+            "tile_n", "num_stages", "num_warps", "num_splits", "paged_ms", "gbps")},
+            best=best, tried=tried))
+    return results
+
+
+def run_gpu(quick: bool, save: bool = True, tiles: bool = False) -> None:
     name = torch.cuda.get_device_name(0)
     peak = timing.peak_bandwidth_gbps(name)
     print(f"GPU: {name}; peak HBM bandwidth "
@@ -156,7 +196,7 @@ def run_gpu(quick: bool, save: bool = True) -> None:
                 print(row(r), flush=True)
     results = dict(device=name, peak_gbps=peak, torch=BACKEND.torch_version,
                    triton=BACKEND.triton_version, date=datetime.date.today().isoformat(),
-                   large=large, sweep=sweep)
+                   large=large, sweep=sweep, tile_sweep=tile_sweep(peak) if tiles else [])
     if not save:
         print("\nresults not saved (--no-save)")
         return
@@ -199,13 +239,15 @@ def run_cpu(quick: bool) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--tiles", action="store_true",
+                        help="also sweep tile x stages x warps and record the best per shape")
     parser.add_argument("--no-save", action="store_true",
                         help="do not write bench/results/kernels_<gpu>.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(describe())
     if BACKEND.device == "cuda":
-        run_gpu(args.quick, save=not args.no_save)
+        run_gpu(args.quick, save=not args.no_save, tiles=args.tiles)
     else:
         run_cpu(args.quick)
 

@@ -6,6 +6,13 @@
 * no Triton at all        -> ``torch-reference``: the plain torch functions the kernels are
   checked against.
 
+``COURSE_BACKEND`` (``triton-cuda``, ``triton-interpreter`` or ``torch-reference``; unset or empty:
+the automatic choice above) forces one, e.g. ``COURSE_BACKEND=torch-reference`` to run the course
+without Triton where Triton is installed: no course_lib module then imports ``triton``. A choice
+this machine cannot run (``triton-cuda`` without CUDA or with ``TRITON_INTERPRET=1``, a Triton
+backend without Triton) or an unknown name raises ``ValueError`` when this module is imported.
+``COURSE_BACKEND=triton-interpreter`` on a GPU machine is ``TRITON_INTERPRET=1``.
+
 Triton reads ``TRITON_INTERPRET`` when it is imported and when a kernel is decorated, so the
 variable must be set before anything imports ``triton``. Importing this module sets it; every
 module of course_lib that uses Triton imports this module first, and so does each notebook's
@@ -25,6 +32,8 @@ from dataclasses import dataclass
 TRITON_CUDA = "triton-cuda"
 TRITON_INTERPRETER = "triton-interpreter"
 TORCH_REFERENCE = "torch-reference"
+BACKENDS = (TRITON_CUDA, TRITON_INTERPRETER, TORCH_REFERENCE)
+ENV_VAR = "COURSE_BACKEND"
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class Backend:
     # False only when this module had to set TRITON_INTERPRET=1 after triton was imported:
     # kernels decorated before that moment were built for a GPU and fail on CPU.
     interpret_set_in_time: bool = True
+    forced: bool = False  # True when COURSE_BACKEND chose this backend
 
     @property
     def uses_triton(self) -> bool:
@@ -68,7 +78,11 @@ class Backend:
         """One line for people: backend, device and versions."""
         where = self.gpu_name or "CPU"
         triton = f"triton {self.triton_version}" if self.triton_version else "no triton"
+        if self.triton_version and not self.uses_triton:
+            triton += " not used"
         line = f"backend {self.name} on {where} (torch {self.torch_version}, {triton})"
+        if self.forced:
+            line += f"; chosen by {ENV_VAR}"
         if not self.interpret_set_in_time:
             line += "; TRITON_INTERPRET was set after triton was imported (see warning)"
         return line
@@ -95,17 +109,53 @@ def _triton_available() -> bool:
         return False
 
 
+def _requested() -> str | None:
+    """The backend ``COURSE_BACKEND`` names, or None when it is unset or empty."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={value!r} is not a backend: use one of "
+                         f"{', '.join(BACKENDS)}, or leave it unset for the automatic choice")
+    return value
+
+
+def _check_possible(choice: str, cuda: bool, triton: bool) -> None:
+    """Raise ``ValueError`` when this machine cannot run the backend ``COURSE_BACKEND`` chose."""
+    why = None
+    if choice != TORCH_REFERENCE and not triton:
+        why = "Triton is not installed"
+    elif choice == TRITON_CUDA and not cuda:
+        why = "torch sees no CUDA device"
+    elif choice == TRITON_CUDA and os.environ.get("TRITON_INTERPRET") == "1":
+        why = "TRITON_INTERPRET=1 makes Triton interpret every kernel"
+    if why:
+        possible = [TRITON_INTERPRETER] if triton else []
+        if triton and cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            possible.insert(0, TRITON_CUDA)
+        possible.append(TORCH_REFERENCE)
+        raise ValueError(f"{ENV_VAR}={choice!r} cannot run here: {why}. Valid values: "
+                         f"{', '.join(BACKENDS)}; possible on this machine: "
+                         f"{', '.join(possible)} (or leave {ENV_VAR} unset)")
+
+
 def _detect() -> Backend:
+    choice = _requested()  # an unknown name fails before torch is even imported
     import torch
 
     cuda = torch.cuda.is_available()  # does not initialise CUDA, so forking stays safe
-    common = dict(device="cuda" if cuda else "cpu", torch_version=torch.__version__.split("+")[0])
+    triton = _triton_available()
+    if choice is not None:
+        _check_possible(choice, cuda, triton)
+    common = dict(device="cuda" if cuda else "cpu", torch_version=torch.__version__.split("+")[0],
+                  forced=choice is not None)
 
-    if not _triton_available():
-        return Backend(TORCH_REFERENCE, triton_version=None, interpreted=False, **common)
+    if choice == TORCH_REFERENCE or not triton:
+        version = _triton_version() if triton else None  # read from metadata: nothing imported
+        return Backend(TORCH_REFERENCE, triton_version=version, interpreted=False, **common)
 
     already_set = os.environ.get("TRITON_INTERPRET") == "1"
-    if cuda and not already_set:
+    if cuda and not already_set and choice != TRITON_INTERPRETER:
         return Backend(TRITON_CUDA, triton_version=_triton_version(), interpreted=False, **common)
 
     in_time = already_set or sys.modules.get("triton") is None

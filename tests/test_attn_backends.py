@@ -45,13 +45,17 @@ def test_the_model_runs_exactly_the_backend_it_is_given() -> None:
     ref = get_attn_backend("reference")
     calls = []
 
-    def write(*a):
-        calls.append("write")
-        ref.reshape_and_cache(*a)
+    keywords = []
 
-    def attend(*a):
+    def write(*a, **kw):
+        calls.append("write")
+        keywords.append(kw)
+        ref.reshape_and_cache(*a, **kw)
+
+    def attend(*a, **kw):
         calls.append("attend")
-        return ref.paged_attention(*a)
+        keywords.append(kw)
+        return ref.paged_attention(*a, **kw)
 
     spy = AttentionBackend("spy", write, attend, ref.copy_blocks)
     cfg = model.config
@@ -65,3 +69,7 @@ def test_the_model_runs_exactly_the_backend_it_is_given() -> None:
         want = model(ids, pos, fresh, meta, impl="reference")
     assert calls == ["write", "attend"] * cfg.num_layers
     torch.testing.assert_close(got, want)
+    # the batch was checked once, on the host: the layers validate nothing and read no
+    # maximum back from the device (a GPU would sync on each)
+    assert keywords == [dict(validate=False),
+                        dict(max_query_len=6, max_seq_len=6, validate=False)] * cfg.num_layers

@@ -131,6 +131,43 @@ def test_non_power_of_two_head_dim_and_strided_query():
     assert_matches(got, run_reference(b, decode=True))
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_strided_seq_lens_and_query_start_loc(decode):
+    """Metadata as views of a bigger tensor (a column, every other element) give the output of
+    contiguous metadata: paged_attention copies them at the boundary."""
+    from course_lib.kernels import paged_attention
+
+    b = batch.make_paged_batch([5, 40, 17], None if decode else [5, 3, 17], block_size=8,
+                               seed=12, device=DEV)
+    lens = torch.stack([b.seq_lens, b.seq_lens * 7], 1)[:, 0]            # stride 2
+    assert lens.stride(0) == 2
+    qsl = None
+    if not decode:
+        qsl = torch.stack([b.query_start_loc, b.query_start_loc + 100], 1)[:, 0]
+        assert qsl.stride(0) == 2
+    got = paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, lens, qsl,
+                          impl="triton")
+    assert_matches(got, run_reference(b, decode))
+
+
+def test_decode_without_split_is_one_launch_and_with_splits_two():
+    """One split: the kernel writes the output itself, no reduce launch."""
+    from course_lib.kernels.paged_decode import decode_launches
+
+    b = batch.make_paged_batch([5, 40], block_size=8, seed=13, device=DEV)
+    one = tiles.DecodeTiles(tile_n=16, head_pad=32, group_pad=2, num_splits=1,
+                            tokens_per_split=48, upcast=True)
+    two = tiles.DecodeTiles(tile_n=16, head_pad=32, group_pad=2, num_splits=2,
+                            tokens_per_split=32, upcast=True)
+    for cfg, launches in ((one, 1), (two, 2)):
+        out, planned = decode_launches(b.query, b.key_cache, b.value_cache, b.block_tables,
+                                       b.seq_lens, 32 ** -0.5, b.max_seq_len, cfg)
+        assert len(planned) == launches
+        for launch in planned:
+            launch.run()
+        assert_matches(out, run_reference(b, decode=True))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_realistic_shapes_on_gpu(dtype):

@@ -112,6 +112,15 @@ def test_paged_attention_dispatch_matches_reference_and_routes():
     (dict(query=torch.zeros(7, 3, 32)), "multiple"),
     (dict(block_tables=torch.tensor([[0, 1, 2], [3, 77, 5]], dtype=torch.int32)), "0..6"),
     (dict(block_tables=torch.zeros(2, 3)), "int32/int64"),
+    (dict(block_tables=torch.tensor([[0, 1, 2], [3, -1, 5]], dtype=torch.int32)), "0..6"),
+    (dict(query=torch.zeros(7, 4, 32, dtype=torch.int32),
+          key_cache=torch.zeros(7, 8, 2, 32, dtype=torch.int32),
+          value_cache=torch.zeros(7, 8, 2, 32, dtype=torch.int32)), "float16, bfloat16 or"),
+    (dict(seq_lens=torch.tensor([3.0, 20.0])), "seq_lens must be an int32/int64"),
+    (dict(query_start_loc=torch.tensor([0.0, 3.0, 7.0])), "query_start_loc must be an int32"),
+    (dict(query=torch.zeros(0, 4, 32), block_tables=torch.zeros(0, 3, dtype=torch.int32),
+          seq_lens=torch.zeros(0, dtype=torch.int32),
+          query_start_loc=torch.zeros(1, dtype=torch.int32)), "empty batch"),
 ])
 def test_paged_attention_rejects_bad_input(change, message):
     b = batch.make_paged_batch([3, 20], [3, 4], block_size=8, seed=2)
@@ -132,6 +141,12 @@ def test_decode_tiles_split_long_contexts_for_small_batches():
     big = tiles.decode_tiles(head_dim=128, group=4, max_seq_len=4096, num_seqs=256,
                              num_kv_heads=8, interpreted=False)
     assert big.num_splits == 1
+    # one sequence of 4096 tokens, 8 KV heads: more programs than a 132-SM GPU has SMs (8
+    # programs would leave 124 idle), each split still two tiles or more
+    short = tiles.decode_tiles(head_dim=128, group=4, max_seq_len=4096, num_seqs=1,
+                               num_kv_heads=8, interpreted=False, num_sms=132)
+    assert 8 * short.num_splits > 132
+    assert short.tokens_per_split >= 2 * short.tile_n
     interp = tiles.decode_tiles(head_dim=24, group=3, max_seq_len=40, num_seqs=2,
                                 num_kv_heads=1, interpreted=True)
     assert (interp.num_splits, interp.tile_n, interp.head_pad, interp.group_pad,

@@ -252,8 +252,17 @@ def test_paged_forward_rejects_bad_input(model) -> None:
         make_attention_metadata([[0]], [0], [0], 4)
     with pytest.raises(ValueError, match="outside the 1 blocks"):
         make_attention_metadata([[0]], [3], [2], 4)
+    with pytest.raises(ValueError, match="empty batch"):
+        make_attention_metadata([], [], [], 4)
+    with pytest.raises(ValueError, match=r"must be in 0\.\.3, got \[0, 4\]"):
+        make_attention_metadata([[0, 4]], [0], [6], 4, num_blocks=4)
+    with pytest.raises(ValueError, match=r"must be in 0\.\., got \[-1\]"):
+        make_attention_metadata([[-1, 2]], [0], [3], 4)
+    # a block past the tokens may hold anything (the padding of a table)
+    assert make_attention_metadata([[1, -1]], [0], [3], 4, num_blocks=4).max_seq_len == 3
     assert isinstance(meta, AttentionMetadata) and meta.num_seqs == 1 and meta.num_tokens == 3
     assert meta.last_token_indices().tolist() == [2]
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 3)
 
 
 # ---------------------------------------------------------------- independent implementation

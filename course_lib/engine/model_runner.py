@@ -115,7 +115,9 @@ class ModelRunner:
             tables.append(e.block_ids)
             ctx_lens.append(ctx)
             q_lens.append(q)
-        meta = make_attention_metadata(tables, ctx_lens, q_lens, self.block_size, self.device)
+        num_blocks = self.gpu_caches[0][0].shape[0] if self.gpu_caches else None
+        meta = make_attention_metadata(tables, ctx_lens, q_lens, self.block_size, self.device,
+                                       num_blocks=num_blocks)
         return (torch.tensor(ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 

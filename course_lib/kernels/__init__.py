@@ -42,10 +42,16 @@ REFERENCE = "reference"
 INTERPRETER_MAX_KV_READS = 1 << 16
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor | None, values: bool = True) -> None:
-    """Raise ``ValueError`` naming the bad input. ``values=False`` checks shapes only (no sync)."""
+    """Raise ``ValueError`` naming the bad input. ``values=False`` checks shapes and dtypes
+    only (no device sync); ``values=True`` also checks the lengths and block-table entries, with
+    one device-to-host copy for the whole batch."""
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got "
                          f"{tuple(query.shape)}")
@@ -55,44 +61,57 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                          f"{tuple(value_cache.shape)}")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
-    if query.shape[2] != head_dim or num_heads % num_kv_heads:
+    if query.shape[2] != head_dim or num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"query heads x head_dim {tuple(query.shape[1:])} must be a multiple "
                          f"of the cache's ({num_kv_heads}, {head_dim}) (GQA)")
+    if query.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"query, key_cache and value_cache must be float16, bfloat16 or "
+                         f"float32, got {query.dtype}")
     if not (query.dtype == key_cache.dtype == value_cache.dtype):
         raise ValueError(f"query, key_cache, value_cache dtypes differ: {query.dtype}, "
                          f"{key_cache.dtype}, {value_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError("block_tables must be an int32/int64 [num_seqs, max_blocks] tensor")
+    if block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES:
+        raise ValueError("block_tables must be an int32/int64 [num_seqs, max_blocks] tensor, "
+                         f"got {block_tables.dtype} {tuple(block_tables.shape)}")
     num_seqs = block_tables.shape[0]
-    if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    if num_seqs == 0:
+        raise ValueError("empty batch: block_tables has no rows (need at least one sequence)")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype not in INDEX_DTYPES:
+        raise ValueError(f"seq_lens must be an int32/int64 [{num_seqs}] tensor, got "
+                         f"{seq_lens.dtype} {tuple(seq_lens.shape)}")
     if query_start_loc is None:
         if query.shape[0] != num_seqs:
             raise ValueError(f"decode (query_start_loc=None) needs one query per sequence: "
                              f"{num_seqs} sequences, {query.shape[0]} query rows")
-    elif query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got "
-                         f"{tuple(query_start_loc.shape)}")
+    elif (query_start_loc.shape != (num_seqs + 1,)
+          or query_start_loc.dtype not in INDEX_DTYPES):
+        raise ValueError(f"query_start_loc must be an int32/int64 [{num_seqs + 1}] tensor, got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
     if not values:
         return
-    lens = seq_lens.tolist()
-    if query_start_loc is None:
-        q_lens = [1] * num_seqs
-    else:
-        starts = query_start_loc.tolist()
-        if starts[0] != 0 or starts[-1] != query.shape[0]:
-            raise ValueError(f"query_start_loc must run from 0 to {query.shape[0]} "
-                             f"(num_tokens), got {starts}")
-        q_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    # everything the kernels will read, copied to the host once
+    lens = seq_lens.long()
+    starts = (torch.arange(num_seqs + 1, device=lens.device) if query_start_loc is None
+              else query_start_loc.long().to(lens.device))
+    tables = block_tables.long().to(lens.device)
+    used = (torch.arange(tables.shape[1], device=lens.device)[None, :]
+            < (lens[:, None] + block_size - 1).clamp(min=0) // block_size)
+    bad_entry = (used & ((tables < 0) | (tables >= num_blocks))).any(1)
+    lens, starts, bad_entry = torch.cat([lens, starts, bad_entry.long()]).cpu().split(
+        [num_seqs, num_seqs + 1, num_seqs])
+    lens, starts, bad_entry = lens.tolist(), starts.tolist(), bad_entry.tolist()
+    if starts[0] != 0 or starts[-1] != query.shape[0]:
+        raise ValueError(f"query_start_loc must run from 0 to {query.shape[0]} "
+                         f"(num_tokens), got {starts}")
     capacity = block_tables.shape[1] * block_size
-    for s, (n, q) in enumerate(zip(lens, q_lens, strict=True)):
-        if not 1 <= q <= n <= capacity:
+    for s, (n, a, b) in enumerate(zip(lens, starts, starts[1:], strict=False)):
+        if not 1 <= b - a <= n <= capacity:
             raise ValueError(f"sequence {s}: need 1 <= query_len <= seq_len <= {capacity} "
-                             f"(max_blocks x block_size), got query_len {q}, seq_len {n}")
-        used = block_tables[s, :-(-n // block_size)]
-        if int(used.min()) < 0 or int(used.max()) >= num_blocks:
-            raise ValueError(f"sequence {s}: block table entries must be in 0..{num_blocks - 1},"
-                             f" got {used.tolist()}")
+                             f"(max_blocks x block_size), got query_len {b - a}, seq_len {n}")
+        if bad_entry[s]:
+            entries = block_tables[s, :-(-n // block_size)].tolist()
+            raise ValueError(f"sequence {s}: block table entries must be in "
+                             f"0..{num_blocks - 1}, got {entries}")
 
 
 def interpreter_incompatibility() -> str | None:
@@ -148,6 +167,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  values=validate)
+    # the kernels read seq_lens[s] at seq_lens + s (and query_start_loc alike): strided views
+    # (a column of a bigger tensor) are copied here, a few integers
+    seq_lens = seq_lens.contiguous()
+    if query_start_loc is not None:
+        query_start_loc = query_start_loc.contiguous()
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if impl == "auto":

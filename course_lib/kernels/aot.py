@@ -1,34 +1,51 @@
-"""Compile every GPU variant of the course's kernels ahead of time for Hopper (sm_90), on CPU.
+"""Compile every GPU launch of the course's kernels for Hopper (sm_90) on a CPU, as the JIT would.
 
-A kernel that the interpreter runs happily can still be rejected by the GPU compiler: a tile
-that needs more shared memory than an SM has, a ``tl.dot`` with fewer than 16 rows, a dtype the
-tensor cores refuse. ``triton.compile`` with a CUDA target runs the whole pipeline (Triton IR ->
-TTGIR -> LLVM -> PTX -> ``ptxas`` -> cubin; ``ptxas`` ships inside the Triton wheel) without a
-GPU, so those failures show up in CI instead of on a learner's GPU.
+A kernel that the interpreter runs happily can still be slow or rejected on a GPU: registers
+spilled to local memory, keys loaded two bytes at a time, a tile that needs more shared memory
+than an SM has. ``triton.compile`` with a CUDA target runs the whole pipeline (Triton IR ->
+TTGIR -> LLVM -> PTX -> ``ptxas``, shipped inside the Triton wheel) without a GPU.
 
-The variants are the launch configurations :mod:`course_lib.kernels.tiles` picks for a grid of
-realistic problems (fp16/bf16/fp32; head_dim 16/32 as in chapter 04 and the tests, 64/128 as
-in real models; GQA groups 1/4/8; batch 1..256 x context 512..32k), compiled with
-the same specialisations the JIT would make (innermost strides == 1, 16-byte aligned pointers).
+**Faithful.** Each variant is a real launch: the wrappers' own planners
+(``decode_launches``, ``prefill_launches``, ``reshape_and_cache_launch``, ``copy_blocks_launch``)
+plan it for tensors of a realistic shape on the ``meta`` device (shapes and strides, no memory),
+with the tiles :mod:`~course_lib.kernels.tiles` picks for an H100/H200 (132 SMs). Its arguments
+then go through Triton's own binder, the function the JIT calls at launch, which decides every
+specialisation (an integer divisible by 16, a stride equal to 1, a 16-byte aligned pointer as a
+caching allocator returns) and the compile-time constants. So the kernel compiled here is the
+one a GPU builds for that launch, and its resources are the ones it runs with.
 
-Triton must be in JIT mode for this, and ``TRITON_INTERPRET=1`` (which ``course_lib.device`` sets
-on a CPU machine) is read when ``triton`` is imported; so this runs in a fresh process:
-``python -m course_lib.kernels.aot`` (``--list`` to only list the variants).
+**Checked** (a failure names the variant and the rule):
+
+* no register spills (``ptxas -v``: spill stores and loads are 0);
+* shared memory within an sm_90 block's 227 KiB;
+* attention kernels with 16-bit K/V: keys and values move as 16-byte asynchronous copies
+  (``cp.async ... 16``) or 16-byte vector loads, never as scalar 2-byte loads;
+* the decode kernel keeps at least two K/V tiles in flight (its K and V shared-memory buffers
+  are allocated at least two deep by the software pipeliner).
+
+``python -m course_lib.kernels.aot`` prints one line per variant (registers, spills, shared
+memory, warps, stages, K/V buffers, load kinds) and writes the table to
+``bench/results/aot_sm90.md``; ``--list`` lists the variants only. It must run in a fresh
+process: Triton reads ``TRITON_INTERPRET`` (which ``course_lib.device`` sets on a CPU machine)
+when it is imported.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 HOPPER = ("cuda", 90, 32)          # GPUTarget(backend, compute capability, warp size)
+HOPPER_SMS = 132                   # H100 SXM / H200: the SM count the tiles are sized for
 MAX_SHARED_BYTES = 232_448         # H100/H200: 227 KiB of shared memory per block (opt-in)
-# Strides that are 1 for the contiguous tensors the course passes; the JIT specialises them.
-UNIT_STRIDES = {"stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_kcd", "stride_vcd",
-                "stride_btb", "stride_mc"}
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "aot_sm90.md"
 
 
 def enter_jit_mode() -> None:
@@ -37,6 +54,7 @@ def enter_jit_mode() -> None:
         raise RuntimeError("enter_jit_mode() must run before triton or course_lib.device is "
                            "imported: run `python -m course_lib.kernels.aot` in a fresh process")
     os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.pop("COURSE_BACKEND", None)         # a forced backend would hide the kernels
     import triton  # noqa: F401  (JIT mode: TRITON_INTERPRET is unset)
 
     with warnings.catch_warnings():                # device warns that triton came first
@@ -47,117 +65,193 @@ def enter_jit_mode() -> None:
 
 @dataclass(frozen=True)
 class Variant:
-    kernel: str                    # "module._kernel_name"
-    ptr_types: tuple               # ((arg name, triton type), ...); other pointers: the dtype
-    dtype: str                     # "fp16" | "bf16" | "fp32"
-    constexprs: tuple              # ((name, value), ...)
-    num_warps: int = 4
-    num_stages: int = 2
-    label: str = field(default="", compare=False)
+    """One launch to compile: ``label`` says which problem it comes from."""
+    label: str
+    launch: object                 # course_lib.kernels.launch.Launch
+    kv16: bool                     # reads 16-bit K/V through a block table (attention)
+    decode: bool                   # the decode split kernel: two K/V tiles must be in flight
 
 
-def _tl_dtype(torch_dtype) -> str:
+def _launches() -> list[tuple[str, object, bool, bool]]:
+    """(label, launch, 16-bit K/V attention?, decode?) for the grid of realistic problems."""
     import torch
 
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[torch_dtype]
+    from course_lib.kernels.cache_ops import copy_blocks_launch, reshape_and_cache_launch
+    from course_lib.kernels.paged_decode import decode_launches
+    from course_lib.kernels.paged_prefill import prefill_launches
+    from course_lib.kernels.tiles import decode_tiles, prefill_tiles
+
+    meta = dict(device="meta")
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    out = []
+    for dtype, t in names.items():
+        half = dtype.itemsize == 2
+        # (head_dim, group, block sizes): the course's tiny model (d 32, 8/2 heads); chapter
+        # 04's and the tests' small heads; Llama-2-7B (MHA) and Llama-3-8B (32/8 heads), d 128.
+        for head_dim, group, block_sizes in ((16, 1, (16,)), (32, 4, (16,)), (128, 1, (16,)),
+                                             (128, 4, (16, 32))):
+            kv_heads = 8
+            heads = kv_heads * group
+            for block_size in block_sizes:
+                shape = f"{t} d={head_dim} group={group} block={block_size}"
+                # one long sequence (many splits), the benchmark's batch (64 x 4096) and a
+                # batch big enough for one split (no reduce launch)
+                for num_seqs, ctx in ((1, 4096), (64, 4096), (256, 2048)):
+                    blocks = ctx // block_size
+                    q = torch.empty(num_seqs, heads, head_dim, dtype=dtype, **meta)
+                    kc = torch.empty(num_seqs * blocks + 1, block_size, kv_heads, head_dim,
+                                     dtype=dtype, **meta)
+                    bt = torch.empty(num_seqs, blocks, dtype=torch.int32, **meta)
+                    sl = torch.empty(num_seqs, dtype=torch.int32, **meta)
+                    tiles = decode_tiles(head_dim=head_dim, group=group, max_seq_len=ctx,
+                                         num_seqs=num_seqs, num_kv_heads=kv_heads,
+                                         interpreted=False, num_sms=HOPPER_SMS)
+                    _, launches = decode_launches(q, kc, kc, bt, sl, head_dim ** -0.5, ctx,
+                                                  tiles)
+                    where = f"{num_seqs}x{ctx} splits={tiles.num_splits}"
+                    out.append((f"decode {shape} {where}", launches[0], half, True))
+                    for extra in launches[1:]:
+                        out.append((f"lse reduce {t} d={head_dim} {where}", extra, False,
+                                    False))
+                max_q, ctx = 2048, 4096
+                q = torch.empty(max_q * 2, heads, head_dim, dtype=dtype, **meta)
+                kc = torch.empty(2 * ctx // block_size + 1, block_size, kv_heads, head_dim,
+                                 dtype=dtype, **meta)
+                bt = torch.empty(2, ctx // block_size, dtype=torch.int32, **meta)
+                sl = torch.empty(2, dtype=torch.int32, **meta)
+                qsl = torch.empty(3, dtype=torch.int32, **meta)
+                tiles = prefill_tiles(head_dim=head_dim, group=group, max_query_len=max_q,
+                                      max_seq_len=ctx, interpreted=False,
+                                      dtype_bytes=dtype.itemsize)
+                _, launches = prefill_launches(q, kc, kc, bt, sl, qsl, head_dim ** -0.5, max_q,
+                                               ctx, tiles)
+                out.append((f"prefill {shape}", launches[0], half, False))
+        for kv_heads, head_dim in ((2, 32), (8, 128)):
+            k = torch.empty(512, kv_heads, head_dim, dtype=dtype, **meta)
+            kc = torch.empty(1024, 16, kv_heads, head_dim, dtype=dtype, **meta)
+            slots = torch.empty(512, dtype=torch.int64, **meta)
+            out.append((f"reshape_and_cache {t} {kv_heads}x{head_dim}",
+                        reshape_and_cache_launch(k, k, kc, kc, slots), False, False))
+            pairs = torch.empty(8, 2, dtype=torch.int64, **meta)
+            out.append((f"copy_blocks {t} {kv_heads}x{head_dim}",
+                        copy_blocks_launch(kc, kc, pairs), False, False))
+    return out
+
+
+def _binding(launch):
+    """What the JIT would compile for ``launch``: (key, src, options) from Triton's binder."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise RuntimeError(f"{launch.name} is a {type(fn).__name__}, not a JITFunction: Triton "
+                           "is in interpreter mode (call enter_jit_mode() first)")
+    backend = make_backend(GPUTarget(*HOPPER))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.options)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.options, bound,
+                                                          specialization, options)
+    key = (launch.name, tuple(signature.items()), tuple(sorted(
+        (k, repr(v)) for k, v in constexprs.items())), tuple(sorted(
+            (k, repr(v)) for k, v in attrs.items())), repr(sorted(options.__dict__.items())))
+    return key, ASTSource(fn, signature, constexprs, attrs), options
 
 
 def variants() -> list[Variant]:
-    """Every distinct launch configuration the heuristics produce on the problem grid."""
-    import torch
-
-    from course_lib.kernels.tiles import (
-        decode_tiles,
-        dot_precision,
-        next_power_of_2,
-        prefill_tiles,
-    )
-
-    out: dict[Variant, None] = {}
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        t = _tl_dtype(dtype)
-        for head_dim in (16, 32, 64, 128):  # 16, 32: the chapter's and the tests' shapes
-            for group in (1, 4, 8):
-                for num_seqs, ctx in ((1, 512), (8, 4096), (64, 4096), (256, 32768)):
-                    dt = decode_tiles(head_dim=head_dim, group=group, max_seq_len=ctx,
-                                      num_seqs=num_seqs, num_kv_heads=8, interpreted=False)
-                    out[Variant("paged_decode._paged_decode_kernel",
-                                (("out_ptr", "fp32"), ("lse_ptr", "fp32"),
-                                 ("block_tables_ptr", "i32"), ("seq_lens_ptr", "i32")), t,
-                                (("TILE_N", dt.tile_n), ("HEAD_PAD", dt.head_pad),
-                                 ("GROUP_PAD", dt.group_pad), ("UPCAST", False),
-                                 ("DOT_PRECISION", dot_precision(dtype))),
-                                dt.num_warps, dt.num_stages,
-                                f"decode {t} d={head_dim} group={group}")] = None
-                    out[Variant("paged_decode._lse_reduce_kernel",
-                                (("part_ptr", "fp32"), ("lse_ptr", "fp32")), t,
-                                (("SPLITS_PAD", dt.splits_pad), ("HEAD_PAD", dt.head_pad)),
-                                4, 1, f"lse reduce {t} d={head_dim} splits={dt.num_splits}")
-                        ] = None
-                pt = prefill_tiles(head_dim=head_dim, group=group, max_query_len=2048,
-                                   max_seq_len=4096, interpreted=False)
-                out[Variant("paged_prefill._paged_prefill_kernel",
-                            (("block_tables_ptr", "i32"), ("seq_lens_ptr", "i32"),
-                             ("query_start_loc_ptr", "i32")), t,
-                            (("BLOCK_M", pt.block_m), ("GROUP_PAD", pt.group_pad),
-                             ("TILE_N", pt.tile_n), ("HEAD_PAD", pt.head_pad),
-                             ("UPCAST", False), ("DOT_PRECISION", dot_precision(dtype))),
-                            pt.num_warps, pt.num_stages,
-                            f"prefill {t} d={head_dim} group={group}")] = None
-        for kv_heads, head_dim in ((1, 64), (8, 128), (32, 128)):
-            out[Variant("cache_ops._reshape_and_cache_kernel", (("slot_mapping_ptr", "i64"),), t,
-                        (("TILE", next_power_of_2(kv_heads * head_dim)),), 4, 1,
-                        f"reshape_and_cache {t} {kv_heads}x{head_dim}")] = None
-        out[Variant("cache_ops._copy_blocks_kernel", (("mapping_ptr", "i64"),), t,
-                    (("TILE", 1024),), 4, 1, f"copy_blocks {t}")] = None
-    return list(out)
+    """Every distinct kernel the launches compile to (two launches that bind to the same
+    specialisation compile once: the label of the first is kept)."""
+    seen: dict[tuple, Variant] = {}
+    for label, launch, kv16, decode in _launches():
+        key, _, _ = _binding(launch)
+        seen.setdefault(key, Variant(label, launch, kv16, decode))
+    return list(seen.values())
 
 
 @dataclass(frozen=True)
-class Compiled:
-    variant: Variant
+class Resources:
+    registers: int
+    spill_bytes: int               # spill stores + spill loads
     shared_bytes: int
-    cubin_bytes: int
+    num_warps: int
+    num_stages: int
+    kv_buffers: int                # depth of the pipelined K/V shared-memory buffers (0: none)
+    async_copies_16b: int          # cp.async ... 16 instructions in the PTX
+    vector_loads_16b: int          # ld.global.v4.b32 / v2.b64 (16-byte) loads
+    scalar_16bit_loads: int        # ld.global of one 2-byte value
     seconds: float
 
 
-def compile_variant(v: Variant) -> Compiled:
-    """``triton.compile`` one variant for sm_90; raises what the GPU compiler raises."""
-    import importlib
+def _ptxas_info(ptx: str) -> tuple[int, int]:
+    """(registers, spill bytes) from ``ptxas -v`` (the one shipped with Triton)."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
+    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run([get_ptxas(HOPPER[1]).path, f"-arch={arch}", "-v", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"ptxas failed: {res.stderr.strip()[-500:]}")
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr))
+    return regs, spills
+
+
+def compile_variant(v: Variant) -> Resources:
+    """Compile ``v`` for sm_90 and read its resources; raises what the GPU compiler raises."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    module, name = v.kernel.split(".")
-    fn = getattr(importlib.import_module(f"course_lib.kernels.{module}"), name)
-    if not isinstance(fn, triton.runtime.jit.JITFunction):
-        raise RuntimeError(f"{v.kernel} is a {type(fn).__name__}, not a JITFunction: Triton is "
-                           "in interpreter mode (call enter_jit_mode() first)")
-    ptr_types = dict(v.ptr_types)
-    constexprs = dict(v.constexprs)
-    signature, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in constexprs:
-            signature[arg] = "constexpr"
-        elif arg in UNIT_STRIDES:
-            signature[arg], constexprs[arg] = "constexpr", 1
-        elif arg.endswith("_ptr"):
-            signature[arg] = "*" + ptr_types.get(arg, v.dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif arg == "qk_scale":
-            signature[arg] = "fp32"
-        else:
-            signature[arg] = "i32"
     start = time.perf_counter()
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                                    attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget(*HOPPER),
-                            options={"num_warps": v.num_warps, "num_stages": v.num_stages})
-    shared = int(kernel.metadata.shared)
-    if shared > MAX_SHARED_BYTES:
-        raise RuntimeError(f"{v.label}: needs {shared} bytes of shared memory, an sm_90 block "
-                           f"has at most {MAX_SHARED_BYTES}")
-    return Compiled(v, shared, len(kernel.asm["cubin"]), time.perf_counter() - start)
+    _, src, options = _binding(v.launch)
+    kernel = triton.compile(src, target=GPUTarget(*HOPPER), options=options.__dict__)
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    regs, spills = _ptxas_info(ptx)
+    # mutable [depth, rows, cols] buffers of 2-D K/V tiles: the pipeliner's multi-buffering
+    depths = [int(m) for m in re.findall(
+        r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x(?:f16|bf16|f32)", ttgir)]
+    return Resources(
+        registers=regs, spill_bytes=spills, shared_bytes=int(kernel.metadata.shared),
+        num_warps=options.num_warps, num_stages=options.num_stages,
+        kv_buffers=min(depths) if depths else 0,
+        async_copies_16b=len(re.findall(
+            r"cp\.async\.c[ag]\.shared\.global\S*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(?:16|0x10)\b",
+            ptx)),
+        vector_loads_16b=len(re.findall(r"ld\.global\S*\.v4\.(?:b32|u32|f32)|ld\.global\S*\.v2\."
+                                        r"(?:b64|u64)", ptx)),
+        scalar_16bit_loads=len(re.findall(r"ld\.global(?:\.[a-z]+)*\.(?:b16|u16|f16|bf16)\s",
+                                          ptx)),
+        seconds=time.perf_counter() - start)
+
+
+def problems(v: Variant, r: Resources) -> list[str]:
+    """The rules ``r`` breaks (empty: the variant passes)."""
+    bad = []
+    if r.spill_bytes:
+        bad.append(f"{r.spill_bytes} bytes of register spills")
+    if r.shared_bytes > MAX_SHARED_BYTES:
+        bad.append(f"{r.shared_bytes} B of shared memory > {MAX_SHARED_BYTES} B (sm_90)")
+    if v.kv16 and not (r.async_copies_16b or r.vector_loads_16b):
+        bad.append("16-bit K/V loaded without 16-byte async copies or vector loads")
+    if v.kv16 and r.scalar_16bit_loads:
+        bad.append(f"{r.scalar_16bit_loads} scalar 2-byte global loads")
+    if v.decode and r.kv_buffers < 2:
+        bad.append(f"K/V buffered {r.kv_buffers} deep: fewer than two tiles in flight")
+    return bad
+
+
+HEADER = ("| variant | regs | spill B | shared B | warps | stages | K/V buffers | cp.async 16 B"
+          " | ld 16 B | ld 2 B | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(v: Variant, r: Resources, bad: list[str]) -> str:
+    return (f"| {v.label} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} | {r.num_warps}"
+            f" | {r.num_stages} | {r.kv_buffers} | {r.async_copies_16b} | {r.vector_loads_16b}"
+            f" | {r.scalar_16bit_loads} | {'; '.join(bad) or 'ok'} |")
 
 
 def main(argv: list[str]) -> int:
@@ -168,19 +262,33 @@ def main(argv: list[str]) -> int:
     print(f"triton {triton.__version__}: {len(todo)} kernel variants for sm_90")
     if "--list" in argv:
         for v in todo:
-            print(" ", v.label, dict(v.constexprs), f"warps={v.num_warps} stages={v.num_stages}")
+            print(" ", v.label, {k: val for k, val in v.launch.options.items()})
         return 0
-    failed = 0
+    rows, failed = [], 0
     for v in todo:
         try:
-            c = compile_variant(v)
+            r = compile_variant(v)
         except Exception as exc:  # report every variant, then fail
             failed += 1
             print(f"FAIL {v.label}: {type(exc).__name__}: {str(exc).splitlines()[-1][:300]}")
-        else:
-            print(f"ok   {v.label}: shared {c.shared_bytes} B, cubin {c.cubin_bytes} B, "
-                  f"{c.seconds:.1f} s")
-    print(f"{len(todo) - failed}/{len(todo)} compiled for sm_90")
+            rows.append(f"| {v.label} | | | | | | | | | | FAIL: {type(exc).__name__} |")
+            continue
+        bad = problems(v, r)
+        failed += bool(bad)
+        print(f"{'FAIL' if bad else 'ok  '} {v.label}: {r.registers} regs, {r.spill_bytes} B "
+              f"spilled, shared {r.shared_bytes} B, {r.num_warps} warps, {r.num_stages} stages, "
+              f"K/V x{r.kv_buffers}, cp.async16 {r.async_copies_16b}, ld16B "
+              f"{r.vector_loads_16b}, ld2B {r.scalar_16bit_loads}, {r.seconds:.1f} s"
+              + (f"  <- {'; '.join(bad)}" if bad else ""))
+        rows.append(table_row(v, r, bad))
+    if "--no-save" not in argv:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(
+            f"# Kernels compiled for sm_90 as the JIT compiles them (triton {triton.__version__})"
+            f"\n\nWritten by `python -m course_lib.kernels.aot` (no GPU needed): one row per "
+            f"distinct kernel the course launches on the problem grid of "
+            f"`course_lib/kernels/aot.py`.\n\n{HEADER}\n" + "\n".join(rows) + "\n")
+    print(f"{len(todo) - failed}/{len(todo)} compiled for sm_90 and passed the checks")
     return 1 if failed else 0
 
 

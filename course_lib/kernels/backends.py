@@ -3,10 +3,13 @@
 An :class:`AttentionBackend` bundles the three operations a paged forward pass and its engine
 need, all from one implementation:
 
-* ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)``: write the new
-  tokens' K/V into the paged cache;
+* ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, validate=True)``:
+  write the new tokens' K/V into the paged cache;
 * ``paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-  scale)``: attend through the block tables;
+  scale, *, max_query_len=None, max_seq_len=None, validate=True)``: attend through the block
+  tables. The model's layers pass the batch's maxima as host integers and ``validate=False``
+  (:func:`~course_lib.model.attention.make_attention_metadata` checked the batch once), so a
+  forward pass on a GPU never waits for a value read back from the device;
 * ``copy_blocks(key_cache, value_cache, block_mapping)``: the copy-on-write copies.
 
 The model, the model runner and the static baseline receive a backend and call it; none of

@@ -16,10 +16,15 @@ import torch
 def paged_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, *, max_query_len: int | None = None,
+                            max_seq_len: int | None = None,
+                            validate: bool = True) -> torch.Tensor:
     """Same contract as ``paged_attention_ref``: ``query [num_tokens, H, d]``, caches
     ``[num_blocks, block_size, H_kv, d]``, ``block_tables [S, max_blocks]`` (-1 padded),
-    ``seq_lens [S]``, ``query_start_loc [S + 1]``. Returns ``[num_tokens, H, d]``."""
+    ``seq_lens [S]``, ``query_start_loc [S + 1]``. Returns ``[num_tokens, H, d]``.
+    ``max_query_len`` / ``max_seq_len``: host-side bounds, read from the tensors when not given;
+    ``validate`` is accepted for the backends' common signature (torch indexing checks
+    bounds itself)."""
     starts = query_start_loc.to(query.device).long()
     q_lens = starts[1:] - starts[:-1]                                   # [S]
     decode = q_lens == 1
@@ -39,7 +44,8 @@ def paged_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
     dev = query.device
     lens = seq_lens.to(dev).long()
     num_seqs = lens.shape[0]
-    max_len, max_q = int(lens.max()), int(q_lens.max())
+    max_len = int(lens.max()) if max_seq_len is None else max_seq_len
+    max_q = int(q_lens.max()) if max_query_len is None else max_query_len
     num_blocks = -(-max_len // block_size)
     tables = block_tables[:, :num_blocks].to(dev).long().clamp(min=0)  # [S, nb]
     # K/V of every sequence, padded: [S, nb * block_size, H_kv, d] (slots past a length:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.device import BACKEND
+from course_lib.kernels.launch import Launch
 from course_lib.kernels.tiles import cdiv, next_power_of_2
 
 if BACKEND.uses_triton:
@@ -32,17 +33,17 @@ if BACKEND.uses_triton:
         stride_vt, stride_vh, stride_vd,
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
-        num_kv_heads, head_dim, block_size,
-        TILE: tl.constexpr,                   # >= num_kv_heads * head_dim, power of two
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr,                   # >= NUM_KV_HEADS * HEAD_DIM, power of two
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-        block = slot // block_size
-        offset = slot % block_size
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
         i = tl.arange(0, TILE)
-        h = i // head_dim
-        d = i % head_dim
-        mask = (i < num_kv_heads * head_dim) & (slot >= 0)
+        h = i // HEAD_DIM
+        d = i % HEAD_DIM
+        mask = (i < NUM_KV_HEADS * HEAD_DIM) & (slot >= 0)
         k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
         v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
         tl.store(key_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch
@@ -56,18 +57,18 @@ if BACKEND.uses_triton:
         stride_kcb, stride_kcs, stride_kch, stride_kcd,
         stride_vcb, stride_vcs, stride_vch, stride_vcd,
         stride_mp, stride_mc,
-        num_kv_heads, head_dim, block_size,
+        NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr,
     ):
         pair = tl.program_id(0).to(tl.int64)
         src = tl.load(mapping_ptr + pair * stride_mp).to(tl.int64)
         dst = tl.load(mapping_ptr + pair * stride_mp + stride_mc).to(tl.int64)
         i = tl.program_id(1) * TILE + tl.arange(0, TILE)      # flat (slot, head, dim) index
-        per_slot = num_kv_heads * head_dim
+        per_slot = NUM_KV_HEADS * HEAD_DIM
         s = i // per_slot
-        h = (i % per_slot) // head_dim
-        d = i % head_dim
-        mask = i < block_size * per_slot
+        h = (i % per_slot) // HEAD_DIM
+        d = i % HEAD_DIM
+        mask = i < BLOCK_SIZE * per_slot
         k_off = s * stride_kcs + h * stride_kch + d * stride_kcd
         v_off = s * stride_vcs + h * stride_vch + d * stride_vcd
         k = tl.load(key_cache_ptr + src * stride_kcb + k_off, mask=mask)
@@ -84,8 +85,11 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key, value [num_tokens, num_kv_heads, head_dim]`` to their slots, in place."""
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      validate: bool = True) -> None:
+    """Write ``key, value [num_tokens, num_kv_heads, head_dim]`` to their slots, in place.
+    ``validate=False`` skips the slot bound check, the one device read (the model's layers:
+    ``make_attention_metadata`` checked the batch once)."""
     _check_cache_pair(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key_cache.shape[2:] != key.shape[1:]:
@@ -94,7 +98,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     num_slots = key_cache.shape[0] * key_cache.shape[1]
-    if num_tokens and int(slot_mapping.max()) >= num_slots:
+    if validate and num_tokens and int(slot_mapping.max()) >= num_slots:
         raise ValueError(f"slot {int(slot_mapping.max())} is past the cache's {num_slots} "
                          f"slots (valid: 0..{num_slots - 1}, or -1 for padding)")
     if not BACKEND.triton_runs_on(key, value, key_cache, value_cache, slot_mapping):
@@ -104,10 +108,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         return
     if num_tokens == 0:
         return
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, *key.stride(), *value.stride(),
-        *key_cache.stride(), *value_cache.stride(), num_kv_heads, head_dim, key_cache.shape[1],
-        TILE=next_power_of_2(num_kv_heads * head_dim))
+    reshape_and_cache_launch(key, value, key_cache, value_cache, slot_mapping).run()
+
+
+def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> Launch:
+    """The kernel launch of :func:`reshape_and_cache` (no checks; ``num_tokens >= 1``)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    return Launch(_reshape_and_cache_kernel, (num_tokens,), (
+        key, value, key_cache, value_cache, slot_mapping.contiguous(), *key.stride(),
+        *value.stride(), *key_cache.stride(), *value_cache.stride()), dict(
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
+        TILE=next_power_of_2(num_kv_heads * head_dim), num_warps=4, num_stages=1))
 
 
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -129,12 +141,20 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
         return
     if block_mapping.shape[0] == 0:
         return
+    copy_blocks_launch(key_cache, value_cache, block_mapping, tile).run()
+
+
+def copy_blocks_launch(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_mapping: torch.Tensor, tile: int = 1024) -> Launch:
+    """The kernel launch of :func:`copy_blocks` (no checks; at least one pair)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     per_block = block_size * num_kv_heads * head_dim
     tile = min(tile, next_power_of_2(per_block))
-    _copy_blocks_kernel[(block_mapping.shape[0], cdiv(per_block, tile))](
+    return Launch(_copy_blocks_kernel, (block_mapping.shape[0], cdiv(per_block, tile)), (
         key_cache, value_cache, block_mapping, *key_cache.stride(), *value_cache.stride(),
-        *block_mapping.stride(), num_kv_heads, head_dim, block_size, TILE=tile)
+        *block_mapping.stride()), dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                                       BLOCK_SIZE=block_size, TILE=tile, num_warps=4,
+                                       num_stages=1))
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import torch
 
 from course_lib.device import BACKEND
+from course_lib.kernels.launch import Launch
 from course_lib.kernels.tiles import PrefillTiles, cdiv, dot_precision, prefill_tiles
 
 if BACKEND.uses_triton:
     import triton
     import triton.language as tl
 
-    from course_lib.kernels.paged_load import load_kv_tile
+    from course_lib.kernels.paged_load import load_kv_tile, load_pages
 
     @triton.jit
     def _paged_prefill_kernel(
@@ -37,7 +38,8 @@ if BACKEND.uses_triton:
         stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_bts, stride_btb,
-        head_dim, group, block_size,
+        group,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
         HEAD_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
@@ -55,7 +57,7 @@ if BACKEND.uses_triton:
         g = r % GROUP_PAD
         head = kv_head * group + g
         d = tl.arange(0, HEAD_PAD)
-        d_mask = d < head_dim
+        d_mask = d < HEAD_DIM
         row_mask = (qi < q_len) & (g < group)
         q_row = (q_start + qi).to(tl.int64)
         q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh
@@ -76,10 +78,11 @@ if BACKEND.uses_triton:
         for tile_start in range(0, kv_end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)
             valid = pos < kv_end
-            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, kv_head,
-                                block_size, stride_btb,
+            page = load_pages(table, pos, valid, stride_btb, BLOCK_SIZE)
+            k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, page, pos, valid, d, kv_head,
                                 stride_kb, stride_ks, stride_kh, stride_kd,
-                                stride_vb, stride_vs, stride_vh, stride_vd, UPCAST)
+                                stride_vb, stride_vs, stride_vh, stride_vd,
+                                BLOCK_SIZE, HEAD_DIM, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             see = valid[None, :] & (pos[None, :] <= q_pos[:, None])   # causal [BLOCK_M, TILE_N]
             s = tl.where(see, s, float("-inf"))
@@ -100,6 +103,36 @@ if BACKEND.uses_triton:
 LOG2_E = 1.4426950408889634
 
 
+def prefill_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                     max_seq_len: int, tiles: PrefillTiles | None = None,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Launch]]:
+    """Plan the prefill launch (see ``paged_prefill``): the output it fills and the launch."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs = block_tables.shape[0]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if tiles is None:
+        tiles = prefill_tiles(head_dim=head_dim, group=group, max_query_len=max_query_len,
+                              max_seq_len=max_seq_len,
+                              interpreted=BACKEND.interpreted or not query.is_cuda,
+                              dtype_bytes=query.element_size())
+    if out is None:
+        out = torch.empty_like(query)
+    # the kernel reads element i at ptr + i: strided views are copied here (a few ints)
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    grid = (cdiv(max_query_len, tiles.block_q), num_seqs, num_kv_heads)
+    return out, [Launch(_paged_prefill_kernel, grid, (
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale * LOG2_E, *out.stride(), *query.stride(), *key_cache.stride(),
+        *value_cache.stride(), *block_tables.stride(), group), dict(
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
+        GROUP_PAD=tiles.group_pad, TILE_N=tiles.tile_n, HEAD_PAD=tiles.head_pad,
+        UPCAST=tiles.upcast, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages))]
+
+
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, scale: float, max_query_len: int,
@@ -110,23 +143,9 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     ``max_query_len`` and ``max_seq_len`` are host-side bounds (no device sync). Returns
     ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_seqs = block_tables.shape[0]
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    if tiles is None:
-        tiles = prefill_tiles(head_dim=head_dim, group=group, max_query_len=max_query_len,
-                              max_seq_len=max_seq_len,
-                              interpreted=BACKEND.interpreted or not query.is_cuda)
-    if out is None:
-        out = torch.empty_like(query)
-    grid = (cdiv(max_query_len, tiles.block_q), num_seqs, num_kv_heads)
-    _paged_prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2_E, *out.stride(), *query.stride(), *key_cache.stride(),
-        *value_cache.stride(), *block_tables.stride(), head_dim, group, key_cache.shape[1],
-        BLOCK_M=tiles.block_m, GROUP_PAD=tiles.group_pad, TILE_N=tiles.tile_n,
-        HEAD_PAD=tiles.head_pad, UPCAST=tiles.upcast,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+    out, launches = prefill_launches(query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, max_query_len, max_seq_len, tiles,
+                                     out)
+    for launch in launches:
+        launch.run()
     return out

@@ -93,9 +93,11 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                          validate: bool = True) -> None:
     """Write new ``key, value [num_tokens, num_kv_heads, head_dim]`` into the caches, in place:
-    token ``t`` goes to slot ``slot_mapping[t]``; a negative slot (padding) is skipped."""
+    token ``t`` goes to slot ``slot_mapping[t]``; a negative slot (padding) is skipped.
+    (``validate``: the backends' common signature; torch's indexing checks the slots.)"""
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(key_cache.device).long()
     keep = slots >= 0

@@ -191,3 +191,32 @@ def block_table_costs(seq_lens: Sequence[int], block_sizes: Sequence[int],
                                    kv_bytes_per_token * sum(seq_lens),
                                    1 - sum(seq_lens) / (entries * bs)))
     return rows
+
+
+def decode_kernel_loop() -> str:
+    """The main loop of the Triton decode kernel, as written in ``paged_decode.py`` (read from
+    the file, so it is the same text whether or not Triton is installed)."""
+    from pathlib import Path
+
+    lines = (Path(__file__).parent / "paged_decode.py").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "page = load_pages(table, pos, pos < end"
+                 in line)
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() == "m_i = m_new")
+    body = lines[start - 1:end + 1]
+    indent = min(len(line) - len(line.lstrip()) for line in body if line.strip())
+    return "\n".join(line[indent:] for line in body)
+
+
+def compiled_for_sm90(label: str) -> dict[str, str]:
+    """The row of ``bench/results/aot_sm90.md`` (written by ``python -m course_lib.kernels.aot``)
+    whose variant is ``label``, as {column: value}."""
+    from pathlib import Path
+
+    table = Path(__file__).resolve().parents[2] / "bench" / "results" / "aot_sm90.md"
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in table.read_text().splitlines() if line.startswith("|")]
+    header = rows[0]
+    for row in rows[2:]:
+        if row[0] == label:
+            return dict(zip(header, row, strict=True))
+    raise KeyError(f"no variant {label!r} in {table}")

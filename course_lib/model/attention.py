@@ -32,12 +32,19 @@ class AttentionMetadata:
     * ``seq_lens [num_seqs]``: tokens of each sequence in the cache after this step (cached
       context + new tokens).
     * ``query_start_loc [num_seqs + 1]``: prefix sums of the new-token counts.
+    * ``max_query_len``, ``max_seq_len``: the longest of each, as host integers, so that no
+      layer has to read them back from the device (a sync per layer on a GPU).
+
+    :func:`make_attention_metadata` checks the batch once, on the host lists it is built from;
+    each layer then calls the kernels without validating again.
     """
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
 
     @property
     def num_seqs(self) -> int:
@@ -53,27 +60,38 @@ class AttentionMetadata:
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), self.block_tables.to(device),
-                                 self.seq_lens.to(device), self.query_start_loc.to(device))
+                                 self.seq_lens.to(device), self.query_start_loc.to(device),
+                                 self.max_query_len, self.max_seq_len)
 
 
 def make_attention_metadata(block_tables: list[list[int]], context_lens: list[int],
                             query_lens: list[int], block_size: int,
-                            device: torch.device | str = "cpu") -> AttentionMetadata:
+                            device: torch.device | str = "cpu",
+                            num_blocks: int | None = None) -> AttentionMetadata:
     """Metadata for a batch where sequence ``s`` already has ``context_lens[s]`` tokens cached
     and brings ``query_lens[s]`` new ones (prefill: context 0; decode: query 1).
 
     ``block_tables[s]`` must cover ``context_lens[s] + query_lens[s]`` tokens; rows are padded
     with ``-1`` to the longest. The new tokens' positions are ``context_len .. context_len +
-    query_len - 1``; their slots come from the block table.
+    query_len - 1``; their slots come from the block table. ``num_blocks``: the cache's size,
+    when known, so that every block a sequence uses is checked to lie in ``0..num_blocks - 1``
+    (the kernels do not check again). Raises ``ValueError`` naming the bad sequence.
     """
     if not len(block_tables) == len(context_lens) == len(query_lens):
         raise ValueError(f"one block table, context_len and query_len per sequence, got "
                          f"{len(block_tables)}, {len(context_lens)}, {len(query_lens)}")
+    if not block_tables:
+        raise ValueError("empty batch: need at least one sequence")
     slots: list[int] = []
     for table, ctx, q in zip(block_tables, context_lens, query_lens, strict=True):
         if ctx < 0 or q < 1:
             raise ValueError(f"need context_len >= 0 and query_len >= 1, got {ctx}, {q}")
         slots += slot_mapping(table, list(range(ctx, ctx + q)), block_size)
+        used = table[:-(-(ctx + q) // block_size)]
+        if any(b < 0 or (num_blocks is not None and b >= num_blocks) for b in used):
+            valid = "0.." + (str(num_blocks - 1) if num_blocks is not None else "")
+            raise ValueError(f"block table {table}: the blocks of its {ctx + q} tokens must be "
+                             f"in {valid}, got {used}")
     width = max(len(t) for t in block_tables)
     padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
     starts = [0]
@@ -85,7 +103,8 @@ def make_attention_metadata(block_tables: list[list[int]], context_lens: list[in
         block_tables=torch.tensor(padded, **i32),
         seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens, strict=True)],
                               **i32),
-        query_start_loc=torch.tensor(starts, **i32))
+        query_start_loc=torch.tensor(starts, **i32), max_query_len=max(query_lens),
+        max_seq_len=max(c + q for c, q in zip(context_lens, query_lens, strict=True)))
 
 
 def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -96,6 +115,8 @@ def paged_attention_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the backend's kernels. ``q [num_tokens, num_heads, head_dim]``; caches ``[num_blocks,
     block_size, num_kv_heads, head_dim]`` (modified in place). Returns ``[num_tokens,
     num_heads, head_dim]``."""
-    attn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    # no device reads here: make_attention_metadata checked the batch once for every layer
+    attn.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, validate=False)
     return attn.paged_attention(q, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, scale)
+                                meta.query_start_loc, scale, max_query_len=meta.max_query_len,
+                                max_seq_len=meta.max_seq_len, validate=False)
