@@ -27,38 +27,38 @@ def not_attempted(*args):
 # ---------------------------------------------------------------- chapter 01 exercises
 
 def test_ch01_references_on_known_models():
-    assert ch01.reference_kv_bytes_per_token(80, 8, 128, 2) == 327_680     # 70B
-    assert ch01.reference_kv_bytes_per_token(32, 32, 128, 2) == 524_288    # Llama-2-7B
-    assert ch01.reference_mla_kv_bytes_per_token(61, 512, 64, 2, 1) == 61 * 576 * 2
-    assert ch01.reference_mla_kv_bytes_per_token(61, 512, 64, 2, 8) == 61 * 576 * 2
+    p = cap.PRESETS
+    assert ch01.reference_kv_bytes_from_config(ch01.config_of(p["llama-3-70b"]), 1) == 327_680
+    assert ch01.reference_kv_bytes_from_config(ch01.config_of(p["llama-3-70b"]), 16) == \
+        80 * 2 * 1 * 128 * 2                                               # one head per rank
+    mha = ch01.config_of(p["llama-2-7b"], drop=("num_key_value_heads", "head_dim"))
+    assert ch01.reference_kv_bytes_from_config(mha, 1) == 524_288          # Llama-2-7B
+    v3 = ch01.config_of(p["deepseek-v3"])
+    assert ch01.reference_kv_bytes_from_config(v3, 8) == 61 * 576 * 2
     assert ch01.reference_tokens_that_fit(80, 327_680) == 262_144
     assert ch01.reference_tokens_that_fit(2, 3) == 715_827_882  # 715,827,882.67 floored
 
 
 def test_ch01_checkers_pass_the_library_solution():
-    for check, ref in ((ch01.check_kv_bytes_per_token, ch01.reference_kv_bytes_per_token),
-                       (ch01.check_mla_kv_bytes_per_token,
-                        ch01.reference_mla_kv_bytes_per_token),
+    for check, ref in ((ch01.check_kv_bytes_from_config, ch01.reference_kv_bytes_from_config),
                        (ch01.check_tokens_that_fit, ch01.reference_tokens_that_fit)):
         verdict = check(ref)
         assert verdict.ok and verdict.total >= 7, verdict
 
 
 def test_ch01_checkers_accept_a_plain_correct_solution():
-    assert ch01.check_kv_bytes_per_token(lambda L, h, d, b: L * 2 * h * d * b).ok
-    assert ch01.check_mla_kv_bytes_per_token(lambda L, r, p, b, tp: L * (r + p) * b).ok
     assert ch01.check_tokens_that_fit(lambda g, b: math.floor(g * 2**30 / b)).ok
 
 
+def no_defaults(config, tp):
+    """Wrong: reads every key, as if configs were complete."""
+    return (config["num_hidden_layers"] * 2 * max(1, config["num_key_value_heads"] // tp)
+            * config["head_dim"] * 2)
+
+
 @pytest.mark.parametrize("check, wrong, why", [
-    (ch01.check_kv_bytes_per_token, lambda L, h, d, b: L * h * d * b, "forgot K and V"),
-    (ch01.check_kv_bytes_per_token, lambda L, h, d, b: L * 2 * h * d * 2, "assumed FP16"),
-    (ch01.check_kv_bytes_per_token, lambda L, h, d, b: 2 * h * d * b, "one layer"),
-    (ch01.check_mla_kv_bytes_per_token, lambda L, r, p, b, tp: L * (r + p) * b // tp,
-     "divided the latent by TP"),
-    (ch01.check_mla_kv_bytes_per_token, lambda L, r, p, b, tp: L * r * b, "forgot the RoPE key"),
-    (ch01.check_mla_kv_bytes_per_token, lambda L, r, p, b, tp: 2 * L * (r + p) * b,
-     "stored K and V"),
+    (ch01.check_kv_bytes_from_config, no_defaults, "MLA read as GQA, keys assumed present"),
+    (ch01.check_kv_bytes_from_config, lambda c, tp: 0, "a constant"),
     (ch01.check_tokens_that_fit, lambda g, b: round(g * 2**30 / b), "rounded instead of floor"),
     (ch01.check_tokens_that_fit, lambda g, b: math.ceil(g * 2**30 / b), "rounded up"),
     (ch01.check_tokens_that_fit, lambda g, b: int(g * 10**9 // b), "decimal GB"),
@@ -69,8 +69,20 @@ def test_ch01_checkers_fail_wrong_solutions(check, wrong, why):
     assert "the library returns" in str(verdict)
 
 
+def test_ch01_missing_keys_are_named():
+    def reads_every_key(config, tp):
+        if config.get("kv_lora_rank"):
+            return ch01.reference_kv_bytes_from_config(config, tp)
+        heads = max(1, config["num_key_value_heads"] // tp)
+        return config["num_hidden_layers"] * 2 * heads * config["head_dim"] * \
+            ch01.DTYPE_BYTES[config["torch_dtype"]]
+
+    verdict = ch01.check_kv_bytes_from_config(reads_every_key)
+    assert "KeyError" in verdict.first_problem and "means MHA" in verdict.first_problem
+
+
 def test_ch01_not_attempted_and_crashing_solutions():
-    assert not ch01.check_kv_bytes_per_token(not_attempted).attempted
+    assert not ch01.check_kv_bytes_from_config(not_attempted).attempted
     assert "not attempted" in str(ch01.check_tokens_that_fit(not_attempted))
     verdict = ch01.check_tokens_that_fit(lambda g, b: 1 // 0)
     assert verdict.passed == 0 and "ZeroDivisionError" in str(verdict)
@@ -89,13 +101,10 @@ def test_ch08_references_on_article_cases():
         ch08.reference_kv_heads_per_rank(8, 3)
     assert ch08.reference_max_num_requests(100, 16, 20) == 50
     assert ch08.reference_max_num_requests(3258, 16, 32_768) == 1
-
-
-def right_num_gpu_blocks(total, util, weights, other, block_bytes):
-    budget = (total * util - weights - other) * 2**30
-    if budget < 0:
-        raise ValueError(f"negative budget {budget}")
-    return int(budget // block_bytes)
+    llama70 = (80, 64, 8, 128, 70_553_706_496)          # 141 GB of 16-bit weights
+    assert ch08.reference_smallest_tp(*llama70, 80, 8192, 1) == 2
+    with pytest.raises(ValueError):
+        ch08.reference_smallest_tp(*llama70, 80, 32_768, 10_000)
 
 
 def right_kv_heads_per_rank(heads, tp):
@@ -105,23 +114,11 @@ def right_kv_heads_per_rank(heads, tp):
 
 
 def test_ch08_checkers_pass_the_library_and_plain_solutions():
-    assert ch08.check_num_gpu_blocks(ch08.reference_num_gpu_blocks).ok
-    assert ch08.check_num_gpu_blocks(right_num_gpu_blocks).ok
+    assert ch08.check_smallest_tp(ch08.reference_smallest_tp).ok
     assert ch08.check_kv_heads_per_rank(ch08.reference_kv_heads_per_rank).ok
     assert ch08.check_kv_heads_per_rank(right_kv_heads_per_rank).ok
     assert ch08.check_max_num_requests(ch08.reference_max_num_requests).ok
     assert ch08.check_max_num_requests(lambda n, bs, L: n // -(-L // bs)).ok
-
-
-def no_raise_num_gpu_blocks(total, util, weights, other, block_bytes):
-    return max(0, int((total * util - weights - other) * 2**30 // block_bytes))
-
-
-def rounding_num_gpu_blocks(total, util, weights, other, block_bytes):
-    budget = (total * util - weights - other) * 2**30
-    if budget < 0:
-        raise ValueError("negative")
-    return round(budget / block_bytes)
 
 
 def always_raises(*args):
@@ -129,11 +126,8 @@ def always_raises(*args):
 
 
 @pytest.mark.parametrize("check, wrong, why", [
-    (ch08.check_num_gpu_blocks, no_raise_num_gpu_blocks, "returns 0 when the model does not fit"),
-    (ch08.check_num_gpu_blocks, rounding_num_gpu_blocks, "rounds blocks to nearest"),
-    (ch08.check_num_gpu_blocks, lambda t, u, w, o, b: int((t * u - w - o) * 1e9 // b),
-     "decimal GB"),
-    (ch08.check_num_gpu_blocks, always_raises, "raises everywhere"),
+    (ch08.check_smallest_tp, always_raises, "raises everywhere"),
+    (ch08.check_smallest_tp, lambda *a: 1, "always one GPU"),
     (ch08.check_kv_heads_per_rank, lambda h, tp: h // tp, "0 heads beyond num_kv_heads"),
     (ch08.check_kv_heads_per_rank, lambda h, tp: max(1, h // tp), "accepts TP that cannot split"),
     (ch08.check_max_num_requests, lambda n, bs, L: n * bs // L, "counts tokens, not blocks"),
@@ -145,7 +139,7 @@ def test_ch08_checkers_fail_wrong_solutions(check, wrong, why):
 
 
 def test_ch08_not_attempted():
-    for check in (ch08.check_num_gpu_blocks, ch08.check_kv_heads_per_rank,
+    for check in (ch08.check_smallest_tp, ch08.check_kv_heads_per_rank,
                   ch08.check_max_num_requests):
         assert not check(not_attempted).attempted
 

@@ -19,14 +19,30 @@ def not_attempted(*_):
 
 
 def test_checkers_pass_the_library_and_fail_wrong_answers():
-    assert ch02.check_internal_waste(ch02.internal_waste).ok
-    assert not ch02.check_internal_waste(lambda r, n: r - n + 1).ok
-    assert ch02.check_pow2_reservation(ch02.pow2_reservation).ok
-    wrong_pow2 = ch02.check_pow2_reservation(lambda n: 1 << n.bit_length())   # 1 -> 2
-    assert not wrong_pow2.ok and "(1) returned 2" in wrong_pow2.first_problem
-    assert ch02.check_paged_waste(ch02.paged_waste).ok
-    assert not ch02.check_paged_waste(lambda n, b: b - n % b).ok        # 16 -> 16, not 0
+    assert ch02.check_split_memory(ch02.split_memory).ok
     assert ch02.check_first_fit(ch02.first_fit).ok
+
+    def counts_free_as_external_whenever_someone_waits(residents, holes, head_need):
+        out = ch02.split_memory(residents, holes, None)
+        if head_need is not None:
+            out["external"], out["free"] = sum(holes), 0
+        return out
+
+    verdict = ch02.check_split_memory(counts_free_as_external_whenever_someone_waits)
+    assert not verdict.ok and "external = " in verdict.first_problem
+    assert "fits in no single hole" in verdict.first_problem
+
+
+def test_split_memory_edge_cases_are_tried():
+    cases = ch02.split_cases()
+    assert ([], [], 1) in cases                               # no memory, someone waits
+    assert any(h is not None and h == max(holes, default=0) for _, holes, h in cases)
+    assert any(h is None for _, _, h in cases)
+    assert ch02.split_memory([], [], 1)["external"] == 0
+    assert ch02.split_memory([(8, 2, 5)], [3, 4], 4) == {
+        "token_states": 2, "reserved": 3, "internal": 3, "external": 0, "free": 7}
+    with pytest.raises(ValueError, match="tokens_now <= final_len <= held"):
+        ch02.split_memory([(4, 2, 5)], [], None)
 
 
 def best_fit(num_slots, events):
@@ -75,13 +91,14 @@ def no_merge_first_fit(num_slots, events):
 
 
 def test_first_fit_checker_catches_best_fit_and_missing_merges():
-    assert not ch02.check_first_fit(best_fit).ok
-    assert not ch02.check_first_fit(no_merge_first_fit).ok
+    verdict = ch02.check_first_fit(best_fit)
+    assert not verdict.ok and "first fit takes the lowest hole" in verdict.first_problem
+    verdict = ch02.check_first_fit(no_merge_first_fit)
+    assert not verdict.ok and "merges with its free" in verdict.first_problem
 
 
 def test_not_attempted_exercises_say_so():
-    for checker in (ch02.check_internal_waste, ch02.check_pow2_reservation,
-                    ch02.check_paged_waste, ch02.check_first_fit):
+    for checker in (ch02.check_split_memory, ch02.check_first_fit):
         verdict = checker(not_attempted)
         assert not verdict.attempted and "not attempted yet" in str(verdict)
 

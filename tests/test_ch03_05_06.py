@@ -16,22 +16,29 @@ def not_done(*args):
     raise NotImplementedError
 
 
-def test_blocks_needed_checker():
-    assert ch03.check_blocks_needed(ch03.blocks_needed).ok
-    assert ch03.check_blocks_needed(lambda n, bs: (n + bs - 1) // bs).ok
-    v = ch03.check_blocks_needed(lambda n, bs: n // bs + 1)       # wrong when bs divides n
-    assert not v.ok and "(0, 16) returned 1" in v.first_problem
-    assert not ch03.check_blocks_needed(lambda n, bs: int(n / bs + 0.999999)).ok  # floats
-    assert not ch03.check_blocks_needed(not_done).attempted
+def test_manager_checker_names_the_operation_and_the_concept():
+    assert ch03.check_manager(ch03.ReferenceManager).ok
+    assert not ch03.check_manager(not_done).attempted
+    partial, no_never, watermark_on_append = ch03.EXERCISES["3.1"].wrong
+    v = ch03.check_manager(partial)
+    assert "append_step({'A': 2, 'B': 2}) returns False" in v.first_problem
+    assert "must change nothing" in v.first_problem
+    assert "NEVER: more blocks than the pool" in ch03.check_manager(no_never).first_problem
+    v = ch03.check_manager(watermark_on_append)
+    assert not v.ok and "append_step" in v.first_problem
 
 
-def test_slot_mapping_checker():
-    assert ch03.slot_mapping([7, 3, 12], [0, 16, 39], 16) == [112, 48, 199]
-    mine = lambda t, ps, bs: [t[p // bs] * bs + p % bs for p in ps]  # noqa: E731
-    assert ch03.check_slot_mapping(mine).ok
-    v = ch03.check_slot_mapping(lambda t, ps, bs: [t[p // bs] + p % bs for p in ps])
-    assert not v.ok and "[7, 3, 12]" in v.first_problem
-    assert not ch03.check_slot_mapping(not_done).attempted
+def test_step_slot_mapping_checker():
+    assert ch03.step_slot_mapping({"A": [7, 3, 12]}, {"A": 39}, {"A": 1}, 16) == [199]
+    assert ch03.step_slot_mapping({"A": [7, 3, 12], "B": [1]}, {"A": 15, "B": 0},
+                                  {"B": 1, "A": 2}, 16) == [16, 127, 48]
+    mine = lambda t, c, n, bs: [t[s][p // bs] * bs + p % bs           # noqa: E731
+                                for s in n for p in range(c[s], c[s] + n[s])]
+    assert ch03.check_step_slot_mapping(mine).ok
+    v = ch03.check_step_slot_mapping(
+        lambda t, c, n, bs: [t[s][p // bs] + p % bs for s in n for p in range(c[s], c[s] + n[s])])
+    assert not v.ok and "want 7 * 16 + 0 = 112" in v.first_problem
+    assert not ch03.check_step_slot_mapping(not_done).attempted
 
 
 class ListAllocator:
@@ -124,46 +131,28 @@ def test_blocks_held_checker():
     assert not ch05.check_blocks_held(not_done).attempted
 
 
-def test_block_hashes_checker():
-    assert ch06.block_hashes([1, 2, 3], 4) == []
-    assert ch06.block_hashes([1, 2, 3, 4], 4) == [hash((ROOT_HASH, (1, 2, 3, 4), ()))]
-
-    def mine(tokens, bs, extra=()):
-        out, parent = [], 0
-        for i in range(len(tokens) // bs):
-            parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
-            out.append(parent)
-        return out
-
-    assert ch06.check_block_hashes(mine).ok
-    unchained = lambda t, bs, e=(): [hash((0, tuple(t[i * bs:(i + 1) * bs]), e))  # noqa: E731
-                                     for i in range(len(t) // bs)]
-    assert not ch06.check_block_hashes(unchained).ok
-    unsalted = lambda t, bs, e=(): mine(t, bs)  # noqa: E731
-    v = ch06.check_block_hashes(unsalted)
-    assert not v.ok and "tenant-b" in v.first_problem
-    assert not ch06.check_block_hashes(not_done).attempted
+def test_lru_order_checker():
+    assert ch06.lru_order([[0, 1, 2, 3]]) == [3, 2, 1, 0]            # the chapter's request X
+    assert ch06.lru_order([[0, 1, 2], [0, 1, 5]]) == [2, 5, 1, 0]    # shared blocks wait
+    assert ch06.lru_order([]) == []
+    v = ch06.check_lru_order(lambda tables: [b for t in tables for b in reversed(t)])
+    assert not v.ok and "[[0, 1, 2], [0, 1, 5]]" in v.first_problem
+    assert not ch06.check_lru_order(not_done).attempted
 
 
-def test_num_cached_tokens_checker():
-    sys_prompt = list(range(100, 112))
-    assert ch06.num_cached_tokens(sys_prompt, [sys_prompt], 4) == 8        # the cap
-    assert ch06.num_cached_tokens(sys_prompt + [1], [sys_prompt], 4) == 12
+def test_prefix_pool_checker_replays_the_history():
+    from course_lib.exercises.solutions.ch06 import PrefixPool
 
-    def mine(prompt, earlier, bs):
-        cached = set()
-        for p in earlier:
-            cached.update(tuple(p[:k * bs]) for k in range(1, len(p) // bs + 1))
-        hits = 0
-        for k in range(1, (len(prompt) - 1) // bs + 1):
-            if tuple(prompt[:k * bs]) not in cached:
-                break
-            hits = k
-        return hits * bs
+    assert ROOT_HASH == 0                      # 6.2's chain starts from parent 0, as the toy's
+    assert ch06.check_prefix_pool(PrefixPool).ok
 
-    assert ch06.check_num_cached_tokens(mine).ok
-    no_cap = lambda p, e, bs: max([0] + [k * bs for q in e for k in range(len(q) // bs + 1)  # noqa: E731
-                                         if k * bs <= len(p) and p[:k * bs] == q[:k * bs]])
-    v = ch06.check_num_cached_tokens(no_cap)
-    assert not v.ok
-    assert not ch06.check_num_cached_tokens(not_done).attempted
+    class NoEviction(PrefixPool):              # never reuses a cached block's slot
+        def _new_block(self):
+            if not self.free_stack:
+                raise NoFreeBlocksError("full")
+            return super()._new_block()
+
+    v = ch06.check_prefix_pool(NoEviction)
+    assert not v.ok and "after run(0, " in v.first_problem
+    assert "NoFreeBlocksError" in v.first_problem
+    assert not ch06.check_prefix_pool(not_done).attempted

@@ -45,14 +45,16 @@ def test_cheaper_preemption():
     assert not ch07.check_cheaper_preemption(lambda *a: "recompute").ok
 
 
-def test_cpu_blocks_and_not_attempted():
-    assert ch07.cpu_blocks(4.0, "llama-2-7b", 16) == 4 * 2**30 // (16 * 524_288)
-    assert ch07.check_cpu_blocks(ch07.cpu_blocks).ok
-    assert not ch07.check_cpu_blocks(lambda g, p, b: int(g * 1e9) // (b * 524_288)).ok
+def test_schedule_step_reference_and_not_attempted():
+    assert ch07.schedule_step([(0, 9, 8), (1, 5, 4)], [(2, 30)], 10, 4, 4, 16) == (
+        [(0, 1), (1, 1), (2, 14)], [])                       # decodes, then a chunk
+    assert ch07.schedule_step([(0, 9, 8), (1, 9, 8), (2, 9, 8)], [(3, 2)], 1, 4, 4, 64) == (
+        [(0, 1), (1, 1)], [2])                              # the last one is the victim
+    assert ch07.schedule_step([(0, 9, 8)], [(1, 1)], 0, 4, 4, 64) == ([], [0])
 
     def todo(*args):
         raise NotImplementedError  # your code here
-    verdict = ch07.check_cpu_blocks(todo)
+    verdict = ch07.check_schedule_step(todo)
     assert not verdict.attempted and "not attempted" in str(verdict)
 
 

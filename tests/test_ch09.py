@@ -1,4 +1,5 @@
-"""Chapter 09's exercise checkers pass the library's solutions and catch wrong ones."""
+"""Chapter 09's exercise references are the library's behaviour, computed independently, and
+their checkers catch the natural wrong answers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from course_lib.exercises import ch09
+from course_lib.parallel.merge import merge_partials, partial_attention, split_ranges
 
 pytestmark = pytest.mark.ch09
 
@@ -15,43 +17,56 @@ def not_yet(*args):
 
 
 @pytest.mark.parametrize("checker,solution", [
-    (ch09.check_merge_two, ch09.reference_merge_two),
-    (ch09.check_rank_of_token, ch09.reference_rank_of_token),
-    (ch09.check_cp_max_tokens, ch09.reference_cp_max_tokens),
-    (ch09.check_mla_bytes_per_token, ch09.reference_mla_bytes_per_token),
+    (ch09.check_place_tokens, ch09.place_tokens),
+    (ch09.check_cp_decode, ch09.cp_decode),
+    (ch09.check_max_decode_steps, ch09.max_decode_steps),
 ])
-def test_checker_passes_the_solution_and_reports_not_attempted(checker, solution):
+def test_checker_passes_the_reference_and_reports_not_attempted(checker, solution):
     assert checker(solution).ok
     v = checker(not_yet)
     assert not v.attempted and "not attempted yet" in str(v)
 
 
-def test_reference_values():
-    assert ch09.reference_cp_max_tokens(3258, 16, 4) == 208_512
-    assert ch09.reference_mla_bytes_per_token(61, 512, 64, 2, 8) == 70_272
-    assert [ch09.reference_rank_of_token(p, 16, 4) for p in (0, 3, 4, 15)] == [0, 0, 1, 3]
-    assert ch09.reference_rank_of_token(1, 2, 4) == 3       # ranks 0 and 2 hold nothing
+def test_placement_is_the_pages_figures():
+    """The tokens per rank the page's real runs print (cells of 09: [10, 14], [0, 1, 0, 4])."""
+    assert [len(r) for r in ch09.place_tokens(21, 3, 2, 0)] == [10, 14]
+    assert [len(r) for r in ch09.place_tokens(2, 3, 4, 0)] == [0, 1, 0, 4]
+    assert [len(r) for r in ch09.place_tokens(30, 4, 2, 2)] == [18, 16]
+    assert [len(r) for r in ch09.place_tokens(37, 2, 4, 4)] == [12, 11, 8, 8]
+    assert ch09.place_tokens(21, 0, 4, 0) == [list(range(a, b)) for a, b in split_ranges(21, 4)]
 
 
-def naive_merge(out_a, lse_a, out_b, lse_b):
-    """Forgets the max-subtraction: overflows on large LSEs, NaN on two empty pieces."""
-    wa, wb = torch.exp(lse_a), torch.exp(lse_b)
-    s = wa + wb
-    return (wa[:, None] * out_a + wb[:, None] * out_b) / s[:, None], torch.log(s)
+def test_cp_decode_reference_equals_the_merge_of_real_pieces():
+    for q, k, v, owner, cp in ch09._decode_cases():
+        parts = [partial_attention(q, k[[i for i, o in enumerate(owner) if o == r]],
+                                   v[[i for i, o in enumerate(owner) if o == r]])
+                 for r in range(cp)]
+        out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+        want_out, want_lse = ch09.cp_decode(q, k, v, owner, cp)
+        assert torch.allclose(out, want_out, atol=1e-9) and torch.allclose(lse, want_lse)
 
 
-def averaged_merge(out_a, lse_a, out_b, lse_b):
-    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+def test_the_decode_cases_have_empty_ranks_and_overflowing_scores():
+    cases = ch09._decode_cases()
+    assert any(set(range(cp)) - set(owner) for *_, owner, cp in cases)
+    assert any(float(partial_attention(q, k, v)[1].max()) > 709 for q, k, v, *_ in cases)
 
 
-@pytest.mark.parametrize("wrong", [naive_merge, averaged_merge])
-def test_merge_checker_catches_wrong_merges(wrong):
-    v = ch09.check_merge_two(wrong)
-    assert v.attempted and not v.ok and "first difference" in str(v)
+def test_max_decode_steps_fills_a_rank_exactly():
+    for prompt, cp, inter, blocks, bs in [(20, 4, 0, 2, 4), (20, 4, 1, 2, 4), (37, 4, 4, 3, 4)]:
+        steps = ch09.max_decode_steps(prompt, cp, inter, blocks, bs)
+        held = [len(r) for r in ch09.place_tokens(prompt, steps, cp, inter)]
+        nxt = [len(r) for r in ch09.place_tokens(prompt, steps + 1, cp, inter)]
+        assert max(held) <= blocks * bs < max(nxt)
+    assert ch09.max_decode_steps(20, 4, 0, 2, 4) == 3        # contiguous: the last rank only
+    assert ch09.max_decode_steps(20, 4, 1, 2, 4) == 12       # interleaved: every rank
 
 
-def test_other_checkers_catch_wrong_answers():
-    assert not ch09.check_rank_of_token(lambda p, n, cp: p // -(-n // cp)).ok   # ceil chunks
-    assert not ch09.check_cp_max_tokens(lambda b, bs, cp: b * bs).ok          # forgot CP
-    assert not ch09.check_mla_bytes_per_token(                                # TP divides it
-        lambda n, c, r, b, tp: n * (c + r) * b // tp).ok
+@pytest.mark.parametrize("number", ["9.1", "9.2", "9.3"])
+def test_wrong_answers_fail_with_a_named_difference(number):
+    ex = ch09.EXERCISES[number]
+    for wrong in ex.wrong:
+        v = ex.checker(wrong)
+        assert v.attempted and not v.ok and v.first_problem
+    if number == "9.2":
+        assert "MAX" in ex.checker(ex.wrong[0]).first_problem

@@ -31,17 +31,14 @@ def not_attempted(*args):
 
 # ---------------------------------------------------------------- chapter 10
 def test_ch10_checkers_pass_the_library_and_fail_wrong_answers() -> None:
-    assert ch10.check_step_slots(ch10.step_slots).ok
-    assert ch10.check_beam_candidates(ch10.beam_candidates).ok
+    assert ch10.check_flatten_step(ch10.flatten_step).ok
+    assert ch10.check_beam_step(ch10.beam_step).ok
     assert ch10.check_sharing_saving(ch10.sharing_saving).ok
-    # wrong: forgets the offset inside the block / sorts worst first / counts entries twice
-    off = ch10.check_step_slots(lambda t, c, n, bs: [t[p // bs] * bs for p in range(c, c + n)])
-    assert not off.ok and "first difference" in str(off)
-    worst = ch10.check_beam_candidates(lambda lg, w: ch10.beam_candidates(lg, w)[::-1])
-    assert not worst.ok
+    # wrong: sorts the new beams worst first / says no sharing ever
+    worst = ch10.check_beam_step(lambda b, lg, w: ch10.beam_step(b, lg, w)[::-1])
+    assert not worst.ok and "first difference" in str(worst)
     assert not ch10.check_sharing_saving(lambda ts: 0.0).ok
-    for checker in (ch10.check_step_slots, ch10.check_beam_candidates,
-                    ch10.check_sharing_saving):
+    for checker in (ch10.check_flatten_step, ch10.check_beam_step, ch10.check_sharing_saving):
         assert "not attempted yet" in str(checker(not_attempted))
 
 
@@ -62,16 +59,9 @@ def test_ch10_drawings_show_tables_and_sharing(model) -> None:
 
 
 # ---------------------------------------------------------------- chapter 11
-def test_ch11_pool_blocks_matches_the_runners_tensors(model) -> None:
+def test_ch11_tiny_spec_matches_the_runners_tensors(model) -> None:
     runner = ModelRunner(model, block_size=16, num_gpu_blocks=2, attn_impl="reference")
-    c = model.config
-    assert ch11.pool_blocks(10 * runner.kv_bytes_per_block, 16, c.num_layers, c.num_kv_heads,
-                            c.head_dim, 4) == 10
     assert cap.block_bytes(ch11.tiny_spec(model), 16) == runner.kv_bytes_per_block
-    assert ch11.check_pool_blocks(ch11.pool_blocks).ok
-    wrong = ch11.check_pool_blocks(lambda b, bs, L, h, d, by: b // (bs * L * h * d * by))
-    assert not wrong.ok                                       # forgot V (the factor 2)
-    assert "not attempted yet" in str(ch11.check_pool_blocks(not_attempted))
 
 
 def test_ch11_reference_loop_equals_llm_engine_and_preempts(model) -> None:
@@ -92,24 +82,15 @@ def test_ch11_reference_loop_equals_llm_engine_and_preempts(model) -> None:
             assert engine.runner.num_copied_blocks > 0
 
 
-def test_ch11_checker_passes_the_reference_and_catches_a_skipped_cache_op(model) -> None:
-    assert ch11.check_mini_step(ch11.mini_step, model).ok
-    assert "not attempted yet" in str(ch11.check_mini_step(not_attempted, model))
+def test_ch11_checkers_pass_the_library_and_catch_a_skipped_cache_op(model) -> None:
+    assert ch11.check_cache_ops(ch11.library_cache_ops, model).ok
+    assert ch11.check_append_slots(lambda bm, s, t: bm.__class__.append_slots(bm, s, t),
+                                   model).ok
+    assert "not attempted yet" in str(ch11.check_cache_ops(not_attempted, model))
 
-    def no_swap_in(eng):                    # forgets to bring swapped blocks back
-        out_pairs = []
-        real = eng.sched.schedule
+    def no_swap_in(eng, out):               # forgets to bring swapped blocks back
+        out.blocks_to_swap_in = []
+        ch11.library_cache_ops(eng, out)
 
-        def schedule():
-            out = real()
-            out_pairs.append(list(out.blocks_to_swap_in))
-            out.blocks_to_swap_in.clear()
-            return out
-        eng.sched.schedule = schedule
-        try:
-            return ch11.mini_step(eng)
-        finally:
-            eng.sched.schedule = real
-
-    verdict = ch11.check_mini_step(no_swap_in, model)
-    assert not verdict.ok and verdict.passed >= 4       # only the swap workloads differ
+    verdict = ch11.check_cache_ops(no_swap_in, model)
+    assert not verdict.ok and "swap" in verdict.first_problem

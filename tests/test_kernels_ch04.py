@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from course_lib.device import BACKEND
 from course_lib.exercises import ch04
 from course_lib.kernels import reference, timing
 
@@ -24,25 +25,10 @@ def not_attempted(*args):
     raise NotImplementedError
 
 
-def test_slot_mapping_checker():
-    assert ch04.check_slot_mapping(reference.slot_mapping).ok
-    assert not ch04.check_slot_mapping(not_attempted).attempted
-
-    def off_by_one_block(table, positions, block_size):   # uses the logical block number
-        return [(p // block_size) * block_size + p % block_size for p in positions]
-
-    verdict = ch04.check_slot_mapping(off_by_one_block)
-    assert not verdict.ok and "returned" in verdict.first_problem
-
-    def as_tensor(table, positions, block_size):
-        return torch.tensor(reference.slot_mapping(table, positions, block_size),
-                            dtype=torch.long)
-
-    assert ch04.check_slot_mapping(as_tensor).ok
-    assert not ch04.check_slot_mapping(lambda *a: None).ok
-
-
-def test_gather_kv_checker():
+@pytest.mark.skipif(not BACKEND.uses_triton, reason="4.1 is a Triton exercise")
+def test_gather_kv_checker_takes_any_correct_answer_and_names_the_token():
+    """4.1's checker compares results: torch's own gather passes; one that ignores the table
+    fails at a named token. (The Triton answers: tests/test_exercises_ch04.py.)"""
     assert ch04.check_gather_kv(reference.gather_kv).ok
     assert not ch04.check_gather_kv(not_attempted).attempted
 
@@ -56,8 +42,9 @@ def test_gather_kv_checker():
         idx = block_table[:n].long()
         return (key_cache[idx].flatten(0, 1), value_cache[idx].flatten(0, 1))
 
-    for wrong in (ignores_table, reads_whole_blocks):
-        assert not ch04.check_gather_kv(wrong).ok
+    verdict = ch04.check_gather_kv(ignores_table)
+    assert not verdict.ok and "logical block" in verdict.first_problem
+    assert not ch04.check_gather_kv(reads_whole_blocks).ok
 
 
 def test_merge_checker():
@@ -73,7 +60,7 @@ def test_merge_checker():
 
     assert not ch04.check_merge_attn_states(average).ok
     verdict = ch04.check_merge_attn_states(naive_nan_on_empty)     # NaN when both are empty
-    assert verdict.passed == verdict.total - 1 and "nan" in verdict.first_problem
+    assert verdict.passed == verdict.total - 1 and "NaN" in verdict.first_problem
 
 
 def test_three_level_mapping_drawing_labels_the_article_example():

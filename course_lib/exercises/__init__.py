@@ -69,3 +69,71 @@ def check(exercise: str, learner: Callable[..., Any], reference: Callable[..., A
         elif first_problem is None:
             first_problem = problem
     return Verdict(exercise, passed, len(cases), first_problem)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise, as the tests and the notebook helpers see it.
+
+    * ``checker(answer) -> Verdict``: the learner's function (or class) against the library;
+    * ``hints``: graded, from a nudge to nearly the answer; the last one names the course's own
+      code to read once it is solved;
+    * ``solution``: a solution as a learner would write it (not a call into the library), shown
+      by :meth:`show_solution` only when asked;
+    * ``wrong``: plausible wrong answers, each of which the checker must fail (tested, with a
+      first difference that says what went wrong);
+    * ``trivial``: answers that do nothing (return ``None`` or a constant), which must fail;
+    * ``needs_triton``: the learner writes a Triton kernel, so the solution runs only where
+      Triton does (the tests skip it under ``COURSE_BACKEND=torch-reference``).
+    """
+    number: str
+    title: str
+    checker: Callable[[Any], Verdict]
+    hints: tuple[str, ...]
+    solution: Callable[..., Any] | type
+    wrong: tuple[Callable[..., Any] | type, ...] = ()
+    trivial: tuple[Callable[..., Any] | type, ...] = (lambda *a, **k: None,)
+    needs_triton: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.hints:
+            raise ValueError(f"exercise {self.number} needs at least one hint")
+
+
+class Exercises:
+    """A chapter's exercises by number, with graded hints: each ``hint(number)`` shows the next
+    one (``hint(number, level)`` a given one), ``solution(number)`` prints the solution's code."""
+
+    def __init__(self, *exercises: Exercise) -> None:
+        self.by_number = {e.number: e for e in exercises}
+        if len(self.by_number) != len(exercises):
+            raise ValueError("two exercises share a number")
+        self._shown: dict[str, int] = {}
+
+    def __getitem__(self, number: str) -> Exercise:
+        if number not in self.by_number:
+            raise KeyError(f"no exercise {number!r} here; the exercises are "
+                           f"{', '.join(self.by_number)}")
+        return self.by_number[number]
+
+    def __iter__(self):
+        return iter(self.by_number.values())
+
+    def hint(self, number: str, level: int | None = None) -> str:
+        """The next hint of exercise ``number`` (or hint ``level``, from 1), as printed text."""
+        ex = self[number]
+        if level is None:
+            level = min(self._shown.get(number, 0) + 1, len(ex.hints))
+        if not 1 <= level <= len(ex.hints):
+            raise ValueError(f"exercise {number} has hints 1..{len(ex.hints)}, got {level}")
+        self._shown[number] = max(self._shown.get(number, 0), level)
+        more = ("" if level == len(ex.hints) else
+                f" (hint({number!r}) again for the next one)")
+        return f"hint {level}/{len(ex.hints)} for {number}{more}: {ex.hints[level - 1]}"
+
+    def solution(self, number: str) -> str:
+        """The solution of exercise ``number``, as source code."""
+        import inspect
+        import textwrap
+
+        return textwrap.dedent(inspect.getsource(self[number].solution))

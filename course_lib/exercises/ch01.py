@@ -1,39 +1,207 @@
-"""Exercises of chapter 01 (KV-cache cost): bytes per token for GQA and MLA, tokens that fit.
+"""Exercises of chapter 01 (KV-cache cost): a model's bytes per token on one tensor-parallel
+rank, read from its ``config.json`` as a server reads it; a decode loop with a KV cache shared
+by groups of query heads (GQA); the tokens that fit in memory.
 
 Each reference_* function is the library's answer, built from course_lib.capacity; each check_*
-runs a learner's function and the reference on the same cases (the presets' geometries plus
-edge cases) and returns a Verdict that names the first case that differs.
+runs a learner's function and the reference on the same cases (the presets' configs, configs
+with keys left out as real ones leave them out, edge cases) and returns a Verdict that names the
+first case that differs and, where it can tell, the rule that was missed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from course_lib import capacity as cap
-from course_lib.exercises import Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises.solutions import ch01 as solutions
+from course_lib.kernels.reference import dense_attention
 
-# (num_layers, num_kv_heads, head_dim, dtype_bytes): every GQA/MHA preset, then edge cases.
-GQA_CASES = [
-    *((s.num_layers, s.num_kv_heads, s.head_dim, s.dtype_bytes)
-      for s in cap.PRESETS.values() if not s.is_mla),
-    (1, 1, 1, 1),        # the smallest model there is
-    (32, 8, 128, 1),     # FP8 cache
-    (32, 8, 128, 4),     # FP32 cache
-    (61, 1, 64, 2),      # MQA: one KV head
-    (126, 8, 128, 2),    # Llama-3.1-405B's geometry
-    (2, 3, 7, 2),        # odd numbers, so no factor hides in a power of two
-]
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "float16"}
 
-# (num_layers, kv_lora_rank, qk_rope_head_dim, dtype_bytes, tensor_parallel_size)
-MLA_CASES = [
-    (61, 512, 64, 2, 1),   # DeepSeek-V3
-    (61, 512, 64, 2, 8),   # ... at TP=8: the latent is not split
-    (60, 512, 64, 2, 2),   # DeepSeek-V2's 60 layers
-    (27, 512, 64, 2, 4),   # DeepSeek-V2-Lite's 27 layers
-    (61, 512, 64, 1, 1),   # FP8 latent
-    (1, 1, 0, 1, 1),       # smallest: one latent value, no RoPE key
-    (3, 100, 10, 4, 16),
-]
+
+def config_of(spec: cap.ModelSpec, *, drop: tuple[str, ...] = (), dtype: str = "bfloat16",
+              **extra) -> dict:
+    """A Hugging Face style config.json (as a dict) for a preset; ``drop`` leaves keys out."""
+    config = {"num_hidden_layers": spec.num_layers,
+              "num_attention_heads": spec.num_attention_heads,
+              "num_key_value_heads": spec.num_kv_heads if not spec.is_mla
+              else spec.num_attention_heads,           # DeepSeek's config says 128: not used
+              "hidden_size": spec.num_attention_heads * spec.head_dim,
+              "head_dim": spec.head_dim, "torch_dtype": dtype}
+    if spec.is_mla:
+        config.update(kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim)
+    config.update(extra)
+    return {k: v for k, v in config.items() if k not in drop}
+
+
+def reference_kv_bytes_from_config(config: dict, tensor_parallel_size: int) -> int:
+    """Bytes one token adds to the cache of one rank, through course_lib.capacity."""
+    heads, mla = config["num_attention_heads"], bool(config.get("kv_lora_rank"))
+    spec = cap.ModelSpec(
+        "exercise", config["num_hidden_layers"], heads,
+        1 if mla else config.get("num_key_value_heads") or heads,
+        config.get("head_dim") or config["hidden_size"] // heads, num_params=1,
+        dtype_bytes=DTYPE_BYTES[config["torch_dtype"]],
+        kv_lora_rank=config.get("kv_lora_rank") or 0,
+        qk_rope_head_dim=config.get("qk_rope_head_dim") or 0)
+    return cap.kv_bytes_per_token(spec, tensor_parallel_size)
+
+
+def config_cases() -> list[tuple[dict, int]]:
+    p = cap.PRESETS
+    gemma_like = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "hidden_size": 3072, "head_dim": 256, "torch_dtype": "bfloat16"}
+    cases = [(config_of(s), 1) for s in p.values()]
+    cases += [
+        (config_of(p["llama-2-7b"], drop=("num_key_value_heads", "head_dim"),
+                   dtype="float16"), 1),                       # Llama-2's config: MHA, implied
+        (config_of(p["llama-2-7b"], drop=("num_key_value_heads",)), 4),
+        (config_of(p["llama-3-70b"]), 2), (config_of(p["llama-3-70b"]), 8),
+        (config_of(p["llama-3-70b"], drop=("head_dim",)), 16),  # 16 ranks, 8 KV heads
+        (config_of(p["qwen2.5-7b"], dtype="float32"), 4),      # 4 KV heads on 4 ranks
+        (config_of(p["qwen2.5-7b"]), 2),
+        (config_of(p["deepseek-v3"]), 1), (config_of(p["deepseek-v3"]), 8),
+        (config_of(p["deepseek-v3"], head_dim=None), 16),       # MLA: TP does not split it
+        (gemma_like, 1), (gemma_like, 2),                       # head_dim != hidden / heads
+        ({"num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 3,
+          "hidden_size": 42, "torch_dtype": "float16", "head_dim": None}, 3),
+    ]
+    return cases
+
+
+def _config_text(config: dict) -> str:
+    return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in config.items()) + "}"
+
+
+def check_kv_bytes_from_config(fn: Callable[[dict, int], int]) -> Verdict:
+    """1.1: compare bytes; a difference names the config, the TP size and the likely rule."""
+    cases = config_cases()
+    passed, problem = 0, None
+    for config, tp in cases:
+        want = reference_kv_bytes_from_config(config, tp)
+        try:
+            got = fn(dict(config), tp)
+        except NotImplementedError:
+            return Verdict("1.1 kv_bytes_from_config", 0, len(cases), attempted=False)
+        except Exception as exc:   # a learner's bug is a verdict
+            got, why = None, f"raised {type(exc).__name__}: {exc}"
+            if isinstance(exc, (KeyError, TypeError)):
+                why += _config_rule({}, tp, None, want)
+        else:
+            why = None
+        if why is None and got == want:
+            passed += 1
+            continue
+        if problem is None:
+            problem = (f"config {_config_text(config)}, tensor_parallel_size {tp}: "
+                       + (why or f"returned {got!r}, the library returns {want:,}"
+                          + _config_rule(config, tp, got, want)))
+    return Verdict("1.1 kv_bytes_from_config", passed, len(cases), problem)
+
+
+def _config_rule(config: dict, tp: int, got, want: int) -> str:
+    if config.get("kv_lora_rank"):
+        if got in (want // tp, want * 2):
+            return " (MLA caches one latent per token and layer, the same on every rank)"
+        return " (MLA: num_layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes)"
+    if got == 0 or (isinstance(got, (int, float)) and got < want and tp > 1):
+        return (" (a rank holds num_kv_heads // TP KV heads, and at least one: past that "
+                "heads are replicated)")
+    if got == want * tp or got == want * min(tp, config.get("num_key_value_heads") or tp):
+        return " (each rank caches only its share of the KV heads)"
+    if "num_key_value_heads" not in config or "head_dim" not in config or \
+            config.get("head_dim") is None:
+        return (" (a missing num_key_value_heads means MHA, as many as num_attention_heads; "
+                "a missing or null head_dim means hidden_size // num_attention_heads)")
+    return ""
+
+
+# ------------------------------------------------------------------ 1.2 a GQA decode with a cache
+def reference_gqa_decode(x, Wq, Wk, Wv, num_heads: int, num_kv_heads: int):
+    """Causal attention of every token over the ones before it (the library's dense attention),
+    and the K and V a cache holds: ``[n, num_kv_heads, head_dim]``."""
+    n, d = len(x), Wq.shape[1] // num_heads
+    q = (x @ Wq).view(n, num_heads, d)
+    k, v = (x @ Wk).view(n, num_kv_heads, d), (x @ Wv).view(n, num_kv_heads, d)
+    return dense_attention(q, k, v, d ** -0.5).reshape(n, num_heads * d), k, v
+
+
+def gqa_cases() -> list[tuple]:
+    gen = torch.Generator().manual_seed(12)
+    shapes = [(1, 1, 4, 1), (4, 4, 4, 6), (4, 2, 4, 7), (8, 2, 2, 5), (4, 1, 8, 9), (6, 3, 4, 4),
+              (2, 1, 4, 3), (8, 4, 2, 8)]
+    cases = []
+    for heads, kv, d, n in shapes:
+        d_model = heads * d
+        w = [torch.randn(d_model, cols, generator=gen) / d_model ** 0.5
+             for cols in (heads * d, kv * d, kv * d)]
+        cases.append((torch.randn(n, d_model, generator=gen), *w, heads, kv))
+    return cases
+
+
+def check_gqa_decode(fn: Callable) -> Verdict:
+    """1.2: outputs and caches; a difference names the step, the head and the likely rule."""
+    cases = gqa_cases()
+    passed, problem = 0, None
+    for x, Wq, Wk, Wv, heads, kv in cases:
+        want = reference_gqa_decode(x, Wq, Wk, Wv, heads, kv)
+        try:
+            got = fn(x, Wq, Wk, Wv, heads, kv)
+        except NotImplementedError:
+            return Verdict("1.2 decode_with_gqa_cache", 0, len(cases), attempted=False)
+        except Exception as exc:   # a learner's bug is a verdict
+            got, why = None, f"raised {type(exc).__name__}: {exc}"
+        else:
+            why = _gqa_problem(got, want, heads, kv)
+            if why and why.startswith("step"):
+                why += _gqa_rule(got, (x, Wq, Wk, Wv, heads, kv))
+        if why is None:
+            passed += 1
+        elif problem is None:
+            problem = f"{len(x)} tokens, {heads} query heads, {kv} KV heads: {why}"
+    return Verdict("1.2 decode_with_gqa_cache", passed, len(cases), problem)
+
+
+def _gqa_rule(got, case: tuple) -> str:
+    """The idea a wrong output shows, when it is one of the usual mistakes."""
+    for wrong, rule in ((_sees_the_future, "every step attended over all the tokens: step t "
+                         "must see only the cache as it is at step t"),
+                        (_heads_round_robin, "query head h read KV head h % num_kv_heads; the "
+                         "heads of one group are neighbours: h // (num_heads // num_kv_heads)")):
+        if torch.allclose(got[0], wrong(*case)[0], atol=1e-5):
+            return f" (here {rule})"
+    return ""
+
+
+def _gqa_problem(got, want, heads: int, kv: int) -> str | None:
+    names = ("outputs", "k_cache", "v_cache")
+    if not (isinstance(got, (tuple, list)) and len(got) == 3
+            and all(isinstance(g, torch.Tensor) for g in got)):
+        return f"expected (outputs, k_cache, v_cache), three tensors, got {got!r:.60}"
+    for name, g, w in zip(names[1:], got[1:], want[1:], strict=True):
+        if g.shape != w.shape:
+            return (f"{name} has shape {tuple(g.shape)}, want {tuple(w.shape)}: one entry per "
+                    "token and per KV head (not per query head)")
+        if not torch.allclose(g, w, atol=1e-5):
+            return f"{name} differs from x @ W{name[0]} viewed as [tokens, KV heads, head_dim]"
+    if got[0].shape != want[0].shape:
+        return f"outputs have shape {tuple(got[0].shape)}, want {tuple(want[0].shape)}"
+    d = want[0].shape[1] // heads
+    for t in range(want[0].shape[0]):
+        for h in range(heads):
+            g, w = got[0][t, h * d:(h + 1) * d], want[0][t, h * d:(h + 1) * d]
+            if not torch.allclose(g, w, atol=1e-5):
+                return (f"step {t}, query head {h} (it reads KV head {h // (heads // kv)}: "
+                        f"query heads {heads // kv} at a time share one): got "
+                        f"{[round(v, 4) for v in g.tolist()]}, the library "
+                        f"{[round(v, 4) for v in w.tolist()]}; step t attends over tokens "
+                        f"0..t only, with scores scaled by 1/sqrt(head_dim)")
+    return None
+
 
 # (memory_gib, bytes_per_token): tokens whose cache fits in memory_gib GiB.
 FIT_CASES = [
@@ -51,35 +219,96 @@ FIT_CASES = [
 ]
 
 
-def reference_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                                 dtype_bytes: int) -> int:
-    """MHA/GQA cache bytes per token: num_layers x 2 (K and V) x kv heads x head_dim x dtype."""
-    spec = cap.ModelSpec("exercise", num_layers, num_kv_heads, num_kv_heads, head_dim,
-                         num_params=1, dtype_bytes=dtype_bytes)
-    return cap.kv_bytes_per_token(spec)
-
-
-def reference_mla_kv_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                                     dtype_bytes: int, tensor_parallel_size: int) -> int:
-    """MLA cache bytes per token on one TP rank: the whole latent, whatever the TP size."""
-    spec = cap.ModelSpec("exercise", num_layers, 128, 1, 128, num_params=1,
-                         dtype_bytes=dtype_bytes, kv_lora_rank=kv_lora_rank,
-                         qk_rope_head_dim=qk_rope_head_dim)
-    return cap.kv_bytes_per_token(spec, tensor_parallel_size)
-
-
 def reference_tokens_that_fit(memory_gib: float, bytes_per_token: int) -> int:
     """Whole tokens whose cache fits in memory_gib GiB: floor(memory / bytes_per_token)."""
     return round(memory_gib * cap.GiB) // bytes_per_token
 
 
-def check_kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> Verdict:
-    return check("1.1 kv_bytes_per_token", fn, reference_kv_bytes_per_token, GQA_CASES)
-
-
-def check_mla_kv_bytes_per_token(fn: Callable[[int, int, int, int, int], int]) -> Verdict:
-    return check("1.2 mla_kv_bytes_per_token", fn, reference_mla_kv_bytes_per_token, MLA_CASES)
-
-
 def check_tokens_that_fit(fn: Callable[[float, int], int]) -> Verdict:
     return check("1.3 tokens_that_fit", fn, reference_tokens_that_fit, FIT_CASES)
+
+
+def _ignores_tp(config, tensor_parallel_size):
+    return solutions.kv_bytes_from_config(config, 1)
+
+
+def _no_replication(config, tensor_parallel_size):
+    if config.get("kv_lora_rank"):
+        return solutions.kv_bytes_from_config(config, tensor_parallel_size)
+    per_head = solutions.kv_bytes_from_config(config, 1) // (
+        config.get("num_key_value_heads") or config["num_attention_heads"])
+    kv = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return per_head * (kv // tensor_parallel_size)
+
+
+def _heads_round_robin(x, Wq, Wk, Wv, num_heads, num_kv_heads):
+    """Wrong: query head h reads KV head h % num_kv_heads (repeat, not repeat_interleave)."""
+    n, d = len(x), Wq.shape[1] // num_heads
+    q = (x @ Wq).view(n, num_heads, d)
+    k, v = (x @ Wk).view(n, num_kv_heads, d), (x @ Wv).view(n, num_kv_heads, d)
+    order = [h % num_kv_heads for h in range(num_heads)]
+    out = torch.stack([torch.softmax(
+        (k[:, order[h]] @ q[:, h].T).T / d ** 0.5 + torch.full((n, n), float("-inf")).triu(1),
+        dim=-1) @ v[:, order[h]] for h in range(num_heads)], dim=1)
+    return out.reshape(n, num_heads * d), k, v
+
+
+def _sees_the_future(x, Wq, Wk, Wv, num_heads, num_kv_heads):
+    """Wrong: fills the cache first, then every step attends over all tokens."""
+    n, d = len(x), Wq.shape[1] // num_heads
+    q = (x @ Wq).view(n, num_heads, d)
+    k, v = (x @ Wk).view(n, num_kv_heads, d), (x @ Wv).view(n, num_kv_heads, d)
+    g = num_heads // num_kv_heads
+    out = torch.stack([torch.softmax(q[:, h] @ k[:, h // g].T / d ** 0.5, dim=-1) @ v[:, h // g]
+                       for h in range(num_heads)], dim=1)
+    return out.reshape(n, num_heads * d), k, v
+
+
+def _mla_split_by_tp(config, tensor_parallel_size):
+    got = solutions.kv_bytes_from_config(config, tensor_parallel_size)
+    return got // tensor_parallel_size if config.get("kv_lora_rank") else got
+
+
+EXERCISES = Exercises(
+    Exercise("1.1", "bytes per token from a model's config.json", check_kv_bytes_from_config,
+             hints=(
+        "Start from num_layers x 2 (K and V) x num_kv_heads x head_dim x dtype bytes, with the "
+        "config's names: num_hidden_layers, num_key_value_heads, head_dim, torch_dtype.",
+        "Real configs leave keys out: no num_key_value_heads means MHA (as many KV heads as "
+        "attention heads); no head_dim (or null) means hidden_size // num_attention_heads. "
+        "config.get(key) returns None for a missing key.",
+        "On one rank: max(1, num_kv_heads // tensor_parallel_size) KV heads. A config with "
+        "kv_lora_rank is MLA: num_layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes "
+        "on every rank. Then read kv_heads_per_rank and kv_bytes_per_token_per_layer in "
+        "course_lib/capacity.py.",
+    ), solution=solutions.kv_bytes_from_config,
+        wrong=(_ignores_tp, _no_replication, _mla_split_by_tp)),
+    Exercise("1.2", "a decode loop with a GQA cache", check_gqa_decode, hints=(
+        "Start from decode_with_cache above. Each step projects only token t: x[t] @ Wk is "
+        "num_kv_heads x head_dim numbers, .view(num_kv_heads, head_dim) makes them the "
+        "cache's new row; head_dim = Wq.shape[1] // num_heads.",
+        "Query head h reads KV head h // (num_heads // num_kv_heads): the group of "
+        "num_heads // num_kv_heads neighbouring query heads shares one KV head.",
+        "Per step and query head: softmax(K[:, g] @ q[h] / sqrt(head_dim)) @ V[:, g] over the "
+        "t + 1 cached rows; concatenate the heads. Then read dense_attention in "
+        "course_lib/kernels/reference.py (repeat_interleave does the grouping).",
+    ), solution=solutions.decode_with_gqa_cache, wrong=(_heads_round_robin, _sees_the_future)),
+    Exercise("1.3", "tokens that fit", check_tokens_that_fit, hints=(
+        "1 GiB is 2**30 bytes, not 10**9.",
+        "A token fits whole or not at all: floor, never round. Integer division (//) on "
+        "integers cannot round the wrong way, floats can.",
+        "round(memory_gib * 2**30) // bytes_per_token. plan_kv_cache in course_lib/capacity.py "
+        "sizes a whole pool the same way, in blocks.",
+    ), solution=solutions.tokens_that_fit,
+        wrong=(lambda g, b: round(g * 2**30 / b), lambda g, b: int(g * 10**9 // b))),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

@@ -1,69 +1,165 @@
-"""Chapter 04 exercises: slot mapping, the paged gather, and merging two partial attentions.
+"""Chapter 04 exercises: the paged gather and the one-head decode loop as Triton kernels, and
+the split-K merge of two partial attentions.
 
-Each ``check_*`` runs the learner's function and the library's on the same cases (edge cases
-included: a position on a block boundary, a sequence of one token, a split with no keys) and
-returns a :class:`~course_lib.exercises.Verdict`; print it.
+Every case is a paged cache whose free blocks, and the slots past the sequence in its last
+block, hold NaN; the block table lists the sequence's blocks in a shuffled order and then
+``-1`` entries, as a batch's padded table row does; the cache sits between two guard blocks of
+NaN, so a ``-1`` that is followed reads NaN instead of crashing. The checkers run the edge cases
+(one token, a full last block, block size 1, a maximum that grows in the last block, scores too
+large for ``exp`` without the maximum), then random cases from a fixed seed, and name the first
+token (or element) that differs and, where it can tell, the idea that was missed. Under
+``torch-reference`` the Triton exercises say they need a Triton backend.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable
 
 import torch
 
-from course_lib.exercises import Verdict, check
+from course_lib.device import BACKEND
+from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises.ch00 import run_cases
+from course_lib.exercises.solutions import ch04 as solutions
 from course_lib.kernels import reference
-from course_lib.kernels.batch import make_paged_batch
-
-SLOT_MAPPING_CASES = [
-    ([7, 3, 12], [0], 16),                      # the article's table, first token
-    ([7, 3, 12], [15, 16], 16),                 # both sides of a block boundary
-    ([7, 3, 12], [0, 1, 2, 31, 32, 47], 16),
-    ([0], [0, 1, 2], 4),
-    ([5, 2], [7], 4),                           # last slot of the last block
-    ([9, 8, 1, 4], list(range(16)), 4),
-    ([2, 0], [0, 1, 8, 9, 15], 8),
-    ([3], [], 16),                              # no tokens
-]
 
 
-def _same_slots(got, want) -> bool:
-    """A list, tuple or 1-D tensor of the same ints."""
-    try:
-        return [int(x) for x in got] == want
-    except (TypeError, ValueError):
-        return False
+def paged_case(seq_len: int, block_size: int, heads: int, head_dim: int, seed: int,
+               q_scale: float = 1.0, late_max: bool = False) -> dict:
+    """One sequence in a NaN-filled paged cache: ``q [head_dim]``, caches ``[num_blocks,
+    block_size, heads, head_dim]`` (views into a buffer with a NaN guard block on each side),
+    ``table`` (int32: the blocks in a shuffled order, then two ``-1``) and the contiguous
+    ``k, v [seq_len, heads, head_dim]`` they hold."""
+    gen = torch.Generator().manual_seed(seed)
+    used = -(-seq_len // block_size)
+    num_blocks = used + 3
+    pages = torch.randperm(num_blocks, generator=gen)[:used]
+    k = torch.randn(seq_len, heads, head_dim, generator=gen)
+    v = torch.randn(seq_len, heads, head_dim, generator=gen)
+    q = torch.randn(head_dim, generator=gen) * q_scale
+    if late_max:                       # the last block holds the largest score
+        k[(used - 1) * block_size:, 0] += 3 * q / q.norm()
+    caches = []
+    for src in (k, v):
+        buf = torch.full((num_blocks + 2, block_size, heads, head_dim), float("nan"))
+        pos = torch.arange(seq_len)
+        buf[1 + pages[pos // block_size], pos % block_size] = src
+        caches.append(buf.to(BACKEND.device)[1:-1])
+    table = torch.cat([pages, torch.tensor([-1, -1])]).to(torch.int32).to(BACKEND.device)
+    return dict(seq_len=seq_len, block_size=block_size, heads=heads, head_dim=head_dim,
+                q=q.to(BACKEND.device), key_cache=caches[0], value_cache=caches[1],
+                table=table, k=k, v=v, q_scale=q_scale)
 
 
-def check_slot_mapping(learner: Callable) -> Verdict:
-    """Exercise 4.1: ``slot_mapping(block_table, positions, block_size) -> list[int]``."""
-    return check("4.1 slot_mapping", learner, reference.slot_mapping, SLOT_MAPPING_CASES,
-                 compare=_same_slots)
+def _where(c: dict) -> str:
+    return (f"seq_len={c['seq_len']}, block_size={c['block_size']}, table "
+            f"{c['table'].tolist()}")
 
 
-def _gather_cases() -> list[tuple]:
-    cases = []
-    for seq_lens, block_size, seed in (([1], 4, 0), ([4], 4, 1), ([5], 4, 2), ([37], 16, 3),
-                                       ([16], 8, 4), ([23], 8, 5)):
-        b = make_paged_batch(seq_lens, num_heads=2, num_kv_heads=2, head_dim=4,
-                             block_size=block_size, seed=seed)
-        cases.append((b.key_cache, b.value_cache, b.block_tables[0], seq_lens[0]))
-    return cases
+# ------------------------------------------------------------------ 4.1 the paged gather
+def gather_cases() -> list[dict]:
+    rng = random.Random(41)
+    shapes = [(1, 4, 1, 4), (4, 4, 2, 4), (5, 4, 2, 4), (37, 16, 2, 8), (16, 8, 1, 8),
+              (9, 1, 2, 4), (23, 8, 3, 4)]          # 3 x 4 = 12: not a power of two
+    shapes += [(rng.randrange(1, 40), 2 ** rng.randrange(0, 5), rng.randrange(1, 3), 4)
+               for _ in range(5)]
+    return [paged_case(*shape, seed=i) for i, shape in enumerate(shapes)]
 
 
-def _same_pair(got, want) -> bool:
-    return (isinstance(got, (tuple, list)) and len(got) == 2
-            and all(isinstance(g, torch.Tensor) and g.shape == w.shape and torch.equal(g, w)
-                    for g, w in zip(got, want, strict=True)))
+def _judge_gather(learner: Callable, c: tuple) -> str | None:
+    (c,) = c
+    got = learner(c["key_cache"], c["value_cache"], c["table"], c["seq_len"])
+    shape = (c["seq_len"], c["heads"], c["head_dim"])
+    if not (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for t in got)):
+        return f"{_where(c)}: expected (k, v), two tensors of shape {shape}, got {got!r:.80}"
+    bs = c["block_size"]
+    for name, t, want in (("k", got[0].cpu(), c["k"]), ("v", got[1].cpu(), c["v"])):
+        bad = [p for p in range(c["seq_len"]) if not torch.equal(t[p], want[p])]
+        if bad:
+            p = bad[0]
+            entry = int(c["table"][p // bs])
+            where = (f"{_where(c)}: {name}[{p}] (logical block {p // bs}, offset {p % bs}, "
+                     f"so physical block {entry}, slot {entry * bs + p % bs}) ")
+            if t[p].isnan().any():
+                return where + "holds NaN: it was read from a slot the sequence does not own"
+            return where + f"is {t[p].flatten()[:4].tolist()}..., want " \
+                           f"{want[p].flatten()[:4].tolist()}..."
+    return None
 
 
-def check_gather_kv(learner: Callable) -> Verdict:
-    """Exercise 4.2: ``gather_kv(key_cache, value_cache, block_table, seq_len) -> (k, v)``,
-    each ``[seq_len, num_kv_heads, head_dim]`` (the caches hold NaN outside the sequence)."""
-    return check("4.2 gather_kv", learner, reference.gather_kv, _gather_cases(),
-                 compare=_same_pair)
+def check_gather_kv(fn: Callable) -> Verdict:
+    """Exercise 4.1: ``gather_kv(key_cache, value_cache, block_table, seq_len) -> (k, v)``,
+    each ``[seq_len, num_kv_heads, head_dim]``, read through the block table."""
+    return run_cases("4.1 gather_kv", fn, [(c,) for c in gather_cases()], _judge_gather)
 
 
+# ------------------------------------------------------------------ 4.2 one-head decode
+def decode_cases() -> list[dict]:
+    rng = random.Random(42)
+    specs = [(1, 4, 4, 1.0, False), (4, 4, 8, 1.0, False), (5, 4, 8, 1.0, True),
+             (16, 16, 8, 1.0, False), (40, 16, 8, 1.0, True), (9, 1, 4, 1.0, True),
+             (23, 8, 16, 2.0, True), (50, 4, 8, 60.0, False)]    # scores up to ~hundreds
+    specs += [(rng.randrange(1, 60), 2 ** rng.randrange(0, 5), 8, 2.0, rng.random() < 0.5)
+              for _ in range(6)]
+    return [paged_case(n, bs, 1, d, seed=100 + i, q_scale=qs, late_max=late)
+            for i, (n, bs, d, qs, late) in enumerate(specs)]
+
+
+def _attend(q, k, v, scale: float) -> torch.Tensor:
+    """Attention of one query ``[head_dim]`` over ``k, v [n, head_dim]`` (the specification)."""
+    return torch.softmax(k @ q * scale, 0) @ v
+
+
+def _no_rescale(c: dict) -> torch.Tensor:
+    """What the online loop gives when it forgets to rescale the running sums."""
+    q, k, v, bs = c["q"].cpu(), c["k"][:, 0], c["v"][:, 0], c["block_size"]
+    s = k @ q / math.sqrt(c["head_dim"])
+    m, total, acc = float("-inf"), 0.0, torch.zeros(c["head_dim"])
+    for lo in range(0, c["seq_len"], bs):
+        m = max(m, s[lo:lo + bs].max().item())
+        p = torch.exp(s[lo:lo + bs] - m)
+        total, acc = total + p.sum().item(), acc + p @ v[lo:lo + bs]
+    return acc / total
+
+
+def _judge_decode(learner: Callable, c: tuple) -> str | None:
+    (c,) = c
+    got = learner(c["q"], c["key_cache"], c["value_cache"], c["table"], c["seq_len"])
+    d = c["head_dim"]
+    q, k, v = c["q"].cpu(), c["k"][:, 0], c["v"][:, 0]
+    want = _attend(q, k, v, d ** -0.5)
+    where = f"{_where(c)}, head_dim={d}"
+    if not (isinstance(got, torch.Tensor) and tuple(got.shape) == (d,)):
+        return f"{where}: expected a tensor of shape ({d},), got {got!r:.80}"
+    got = got.detach().float().cpu()
+    if torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+        return None
+    if got.isnan().any():
+        why = ("the scores reach hundreds here: exp() overflows unless you subtract the "
+               "running maximum" if c["q_scale"] > 10 else
+               "a slot past seq_len (NaN in the cache) reached the sums: mask the K and V "
+               "loads (other=0.0) and set those scores to -inf; 0 x NaN is NaN")
+        return f"{where}: the output holds NaN: {why}"
+    if torch.allclose(got, _no_rescale(c), atol=1e-4, rtol=1e-4):
+        return (f"{where}: this is what the loop gives without rescaling: when a block raises "
+                "the maximum from m to m_new, multiply the running sum and acc by "
+                "exp(m - m_new)")
+    if torch.allclose(got, _attend(q, k, v, 1.0), atol=1e-4, rtol=1e-4):
+        return f"{where}: the scores are not scaled by 1/sqrt(head_dim)"
+    i = int((got - want).abs().argmax())
+    return f"{where}: out[{i}] = {got[i].item():.5f}, the library gives {want[i].item():.5f}"
+
+
+def check_decode_one_head(fn: Callable) -> Verdict:
+    """Exercise 4.2: ``decode_one_head(q, key_cache, value_cache, block_table, seq_len)`` ->
+    ``[head_dim]`` float32: one query head's attention over the sequence's cached tokens."""
+    return run_cases("4.2 decode_one_head", fn, [(c,) for c in decode_cases()], _judge_decode)
+
+
+# ------------------------------------------------------------------ 4.3 the split-K merge
 def _merge_cases() -> list[tuple]:
     gen = torch.Generator().manual_seed(0)
     cases = []
@@ -83,14 +179,174 @@ def _merge_cases() -> list[tuple]:
     return cases
 
 
-def _same_merge(got, want) -> bool:
-    return (isinstance(got, (tuple, list)) and len(got) == 2
-            and all(isinstance(g, torch.Tensor) and g.shape == w.shape
-                    and torch.allclose(g, w, atol=1e-5, rtol=1e-5)
-                    for g, w in zip(got, want, strict=True)))
+def _judge_merge(got, case: tuple) -> str | None:
+    out_a, lse_a, out_b, lse_b = case
+    want_out, want_lse = reference.merge_attn_states(*case)
+    if not (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) for t in got)
+            and got[0].shape == want_out.shape and got[1].shape == want_lse.shape):
+        return (f"expected (out, lse) of shapes {tuple(want_out.shape)} and "
+                f"{tuple(want_lse.shape)}, got {got!r:.80}")
+    for h in range(want_lse.shape[0]):
+        part = (f"head {h} (lse_a = {lse_a[h].item():.4f}, lse_b = {lse_b[h].item():.4f})")
+        if not torch.allclose(got[1][h], want_lse[h], atol=1e-5, equal_nan=False) and not (
+                torch.isinf(want_lse[h]) and got[1][h] == want_lse[h]):
+            return (f"{part}: lse = {got[1][h].item():.4f}, want {want_lse[h].item():.4f} "
+                    "= log(exp(lse_a) + exp(lse_b)), the union's denominator")
+        if got[0][h].isnan().any():
+            return (f"{part}: out holds NaN; both parts are empty here, so lse = -inf and "
+                    "lse_x - lse is -inf - -inf: the answer is zeros")
+        if not torch.allclose(got[0][h], want_out[h], atol=1e-5, rtol=1e-5):
+            return (f"{part}: out = {got[0][h].tolist()}, want {want_out[h].tolist()} (each "
+                    "part weighted by exp(lse_x - lse), its share of the union's denominator)")
+    return None
 
 
 def check_merge_attn_states(learner: Callable) -> Verdict:
     """Exercise 4.3: ``merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``."""
-    return check("4.3 merge_attn_states", learner, reference.merge_attn_states, _merge_cases(),
-                 compare=_same_merge)
+    cases = _merge_cases()
+    passed, first = 0, None
+    for case in cases:
+        try:
+            problem = _judge_merge(learner(*case), case)
+        except NotImplementedError:
+            return Verdict("4.3 merge_attn_states", 0, len(cases), attempted=False)
+        except Exception as exc:  # a learner's bug is a verdict
+            problem = f"raised {type(exc).__name__}: {exc}"
+        passed += problem is None
+        first = first or problem
+    return Verdict("4.3 merge_attn_states", passed, len(cases), first)
+
+
+# ------------------------------------------------------------------ plausible wrong answers
+if BACKEND.uses_triton:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_wrong(k_cache, v_cache, table, k_out, v_out, BLOCK_SIZE: tl.constexpr,
+                      ROW: tl.constexpr, ROW_PAD: tl.constexpr, MODE: tl.constexpr):
+        pos = tl.program_id(0)
+        if MODE == 0:                  # the logical block taken for the physical one
+            slot = pos
+        else:                          # the table entry taken for a slot, not a block
+            slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) + pos % BLOCK_SIZE
+        cols = tl.arange(0, ROW_PAD)
+        keep = cols < ROW
+        tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols, mask=keep),
+                 mask=keep)
+        tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols, mask=keep),
+                 mask=keep)
+
+    @triton.jit
+    def _decode_wrong(q_ptr, k_cache, v_cache, table, out_ptr, seq_len, scale,
+                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RESCALE: tl.constexpr):
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + d)
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for logical in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+            page = tl.load(table + logical).to(tl.int64)
+            offs = tl.arange(0, BLOCK_SIZE)
+            valid = logical * BLOCK_SIZE + offs < seq_len
+            rows = (page * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+            k = tl.load(k_cache + rows, mask=valid[:, None], other=0.0)
+            if RESCALE:
+                v = tl.load(v_cache + rows)            # only the scores are masked
+            else:
+                v = tl.load(v_cache + rows, mask=valid[:, None], other=0.0)
+            s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            if RESCALE:
+                total = total * tl.exp(m - m_new) + tl.sum(p, axis=0)
+                acc = acc * tl.exp(m - m_new) + tl.sum(p[:, None] * v, axis=0)
+            else:                                      # forgets exp(m - m_new)
+                total = total + tl.sum(p, axis=0)
+                acc = acc + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        tl.store(out_ptr + d, acc / total)
+
+
+def _gather_with(mode: int) -> Callable:
+    def gather_kv(key_cache, value_cache, block_table, seq_len):
+        _, bs, heads, head_dim = key_cache.shape
+        k = torch.empty(seq_len, heads, head_dim, device=key_cache.device)
+        v = torch.empty_like(k)
+        _gather_wrong[(seq_len,)](key_cache, value_cache, block_table, k, v, BLOCK_SIZE=bs,
+                                  ROW=heads * head_dim,
+                                  ROW_PAD=triton.next_power_of_2(heads * head_dim), MODE=mode)
+        return k, v
+    return gather_kv
+
+
+def _decode_with(rescale: bool) -> Callable:
+    def decode_one_head(q, key_cache, value_cache, block_table, seq_len):
+        out = torch.empty(q.shape[0], device=q.device)
+        _decode_wrong[(1,)](q, key_cache, value_cache, block_table, out, seq_len,
+                            q.shape[0] ** -0.5, BLOCK_SIZE=key_cache.shape[1],
+                            HEAD_DIM=q.shape[0], RESCALE=rescale)
+        return out
+    return decode_one_head
+
+
+def _merge_average(out_a, lse_a, out_b, lse_b):
+    return (out_a + out_b) / 2, torch.maximum(lse_a, lse_b)
+
+
+def _merge_nan_when_both_empty(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return (torch.exp(lse_a - lse).unsqueeze(-1) * out_a
+            + torch.exp(lse_b - lse).unsqueeze(-1) * out_b, lse)
+
+
+EXERCISES = Exercises(
+    Exercise("4.1", "the paged gather as a Triton kernel", check_gather_kv, hints=(
+        "One program per token: pos = tl.program_id(0). Its key lives in physical block "
+        "tl.load(table + pos // BLOCK_SIZE), at offset pos % BLOCK_SIZE.",
+        "The caches are contiguous, so a token's num_kv_heads x head_dim values are one row of "
+        "ROW numbers starting at (page * BLOCK_SIZE + offset) * ROW. tl.arange needs a power "
+        "of two: cols = tl.arange(0, ROW_PAD) with ROW_PAD = triton.next_power_of_2(ROW), and "
+        "mask=cols < ROW on the load and the store. Cast the page to int64 before multiplying.",
+        "Launch seq_len programs: the -1 entries past the last block are then never read. "
+        "Then read load_pages and load_kv_tile in course_lib/kernels/paged_load.py: the same "
+        "address, for a tile of tokens at once and with every stride passed in.",
+    ), solution=solutions.gather_kv, wrong=(_gather_with(0), _gather_with(1)),
+        needs_triton=True),
+    Exercise("4.2", "the online-softmax decode loop as a Triton kernel", check_decode_one_head,
+             hints=(
+        "One program (grid (1,)) loops over the logical blocks, for logical in range(0, "
+        "tl.cdiv(seq_len, BLOCK_SIZE)): it loads the block's page from the table, then a "
+        "[BLOCK_SIZE, HEAD_DIM] tile of keys and one of values, as toy_online does in torch.",
+        "Carry m (start tl.full([], float('-inf'), tl.float32)), the sum l and acc "
+        "[HEAD_DIM] through the loop. Lanes past seq_len: load K and V with mask and "
+        "other=0.0, and set their scores to -inf with tl.where, so exp gives 0.",
+        "Per block: m_new = max(m, max(s)); multiply l and acc by exp(m - m_new); add "
+        "sum(exp(s - m_new)) and sum(exp(s - m_new)[:, None] * v, 0); store acc / l. Then "
+        "read the loop of course_lib/kernels/paged_decode.py: the same loop for a tile of "
+        "tokens and a group of query heads, in base 2.",
+    ), solution=solutions.decode_one_head, wrong=(_decode_with(False), _decode_with(True)),
+        needs_triton=True),
+    Exercise("4.3", "merging two partial attentions", check_merge_attn_states, hints=(
+        "Each part is softmax-normalised over its own keys; exp(lse_a) and exp(lse_b) are the "
+        "two denominators. The union's denominator is their sum: lse = logaddexp(lse_a, lse_b).",
+        "out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b (unsqueeze the weights over "
+        "head_dim). When both parts are empty, lse = -inf and -inf - -inf is NaN: subtract 0 "
+        "there instead.",
+        "Compare with reference.merge_attn_states in course_lib/kernels/reference.py, and with "
+        "the reduce kernel of course_lib/kernels/paged_decode.py, which merges any number of "
+        "splits in base 2.",
+    ), solution=solutions.merge_attn_states,
+        wrong=(_merge_average, _merge_nan_when_both_empty)),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

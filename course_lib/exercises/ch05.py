@@ -1,8 +1,11 @@
-"""Chapter 05 exercises: which block a write must copy, and how many blocks sharing saves.
+"""Chapter 05 exercises: which block a write must copy, how many blocks sharing saves, and a
+copy-on-write block manager (allocate, fork, append, free with reference counts).
 
-The expected answers come from running a real ``BlockManager`` (fork, append_slots), not from
-a second copy of the rule. :func:`cow_scenarios` counts the copies the V0 scheduler asks for
-in three workloads (forked samples, a shared prefix, preemption by recompute): only forks copy.
+The expected answers come from running a real ``BlockManager`` (fork, append_slots, free), not
+from a second copy of the rule. Exercise 5.3's checker follows 3.3's: random operation
+sequences, and a failure replays the operations that led to it. :func:`cow_scenarios` counts
+the copies the V0 scheduler asks for in three workloads (forked samples, a shared prefix,
+preemption by recompute): only forks copy.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises.solutions import ch05 as solutions
 from course_lib.memory import BlockManager
 from course_lib.scheduler import Scheduler
 from course_lib.sequence import SamplingParams
@@ -78,6 +82,142 @@ def check_blocks_held(fn: Callable[[int, int, int, int], int]) -> Verdict:
     return check("5.2 blocks_held", fn, blocks_held, cases)
 
 
+class ReferenceCow:
+    """Exercise 5.3's contract, on the library's ``BlockManager`` (no prefix caching)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.m = BlockManager(block_size, num_blocks, watermark=0.0)
+
+    def allocate(self, seq: int, num_tokens: int) -> None:
+        self.m.allocate(seq, [0] * num_tokens)
+
+    def fork(self, parent: int, child: int) -> None:
+        self.m.fork(parent, child)
+
+    def append(self, seq: int) -> tuple[int, int] | None:
+        copies = self.m.append_slots(seq, [0])
+        return copies[0] if copies else None
+
+    def free(self, seq: int) -> None:
+        self.m.free(seq)
+
+    def block_table(self, seq: int) -> list[int]:
+        return self.m.get_block_table(seq)
+
+    def ref_count(self, block: int) -> int:
+        return self.m.ref_count(block)
+
+
+def _call(op: tuple) -> str:
+    return f"{op[0]}({', '.join(map(str, op[1:]))})"
+
+
+def cow_cases(seed: int = 10, count: int = 30) -> list[tuple[int, int, list[tuple]]]:
+    """(num_blocks, block_size, ops); ops are ("allocate", seq, num_tokens), ("fork", parent,
+    child), ("append", seq), ("free", seq), always valid and always with a free block."""
+    rng = random.Random(seed)
+    cases: list[tuple[int, int, list[tuple]]] = [
+        (8, 4, [("allocate", 0, 18), ("fork", 0, 1), ("append", 0), ("append", 1)]),  # §11.2
+        (8, 4, [("allocate", 0, 16), ("fork", 0, 1), ("append", 0), ("append", 1)]),  # full
+        (8, 4, [("allocate", 0, 6), ("fork", 0, 1), ("fork", 0, 2), ("append", 1),
+                ("append", 2), ("append", 0), ("append", 0)]),                        # 3 sharers
+        (8, 2, [("allocate", 0, 3), ("fork", 0, 1), ("free", 0), ("append", 1)]),      # sole owner
+        (6, 4, [("allocate", 0, 9), ("allocate", 1, 2), ("free", 0), ("allocate", 2, 5)]),
+        (6, 1, [("allocate", 0, 2), ("fork", 0, 1), ("append", 1), ("free", 1), ("free", 0)]),
+    ]
+    for _ in range(count):
+        bs = rng.choice([1, 2, 4])
+        n = rng.randrange(6, 16)
+        ref, live, next_id, ops = ReferenceCow(n, bs), [], 0, []
+        for _ in range(rng.randrange(8, 30)):
+            free = ref.m.num_free_gpu_blocks
+            r = rng.random()
+            if not live and not free:
+                break
+            if not live or (r < 0.15 and free >= 3):
+                tokens = rng.randrange(1, min(free, 3) * bs + 1)
+                op = ("allocate", next_id, tokens)
+                live.append(next_id)
+                next_id += 1
+            elif r < 0.35:
+                op = ("fork", rng.choice(live), next_id)
+                live.append(next_id)
+                next_id += 1
+            elif r < 0.85:
+                op = ("append", rng.choice(live))
+                if not ref.m.can_append_slots(op[1]):
+                    op = ("free", op[1])
+            else:
+                op = ("free", rng.choice(live))
+            if op[0] == "free":
+                live.remove(op[1])
+            getattr(ref, op[0])(*op[1:])
+            ops.append(op)
+        cases.append((n, bs, ops))
+    return cases
+
+
+def _state(obj, seqs: list[int], num_blocks: int) -> tuple[dict, list[int]]:
+    return {s: list(obj.block_table(s)) for s in seqs}, [obj.ref_count(b)
+                                                          for b in range(num_blocks)]
+
+
+def _difference(got: tuple, want: tuple) -> str:
+    """The first difference between two (returned, tables, ref counts), in words."""
+    (g_ret, g_tables, g_refs), (w_ret, w_tables, w_refs) = got, want
+    if g_ret != w_ret:
+        why = ("a write into a shared partial block must copy it first"
+               if w_ret is not None and g_ret is None else
+               "only a shared, partial last block is copied" if w_ret is None else
+               "the copy takes the top of the free stack")
+        return f"returned {g_ret!r}, the library {w_ret!r} ({why})"
+    for seq, table in w_tables.items():
+        if g_tables[seq] != table:
+            return f"seq {seq}'s block table is {g_tables[seq]}, the library's {table}"
+    b = next(i for i, (g, w) in enumerate(zip(g_refs, w_refs, strict=True)) if g != w)
+    return (f"block {b} has ref count {g_refs[b]}, the library {w_refs[b]} (every table that "
+            f"points at a block counts once; a copy or a free drops one reference)")
+
+
+def check_cow_manager(cls: type) -> Verdict:
+    """Run the same operations on ``cls(num_blocks, block_size)`` and on the library; after
+    every operation compare what it returned, every live block table and every ref count."""
+    name = "5.3 CowManager"
+    cases = cow_cases()
+    passed, problem = 0, None
+    for n, bs, ops in cases:
+        ref, live = ReferenceCow(n, bs), []
+        try:
+            mine = cls(n, bs)
+        except NotImplementedError:
+            return Verdict(name, 0, len(cases), attempted=False)
+        for i, op in enumerate(ops):
+            want_ret = getattr(ref, op[0])(*op[1:])
+            if op[0] in ("allocate", "fork"):
+                live.append(op[1] if op[0] == "allocate" else op[2])
+            elif op[0] == "free":
+                live.remove(op[1])
+            try:
+                got_ret = getattr(mine, op[0])(*op[1:])
+                got_ret = tuple(got_ret) if isinstance(got_ret, list) else got_ret
+                got = (got_ret, *_state(mine, live, n))
+            except NotImplementedError:
+                return Verdict(name, 0, len(cases), attempted=False)
+            except Exception as exc:   # a learner's bug is a verdict
+                got = f"raised {type(exc).__name__}: {exc}"
+            want = (want_ret, *_state(ref, live, n))
+            if got != want:
+                if problem is None:
+                    what = got if isinstance(got, str) else _difference(got, want)
+                    before = ", ".join(map(_call, ops[:i])) or "nothing"
+                    problem = (f"pool of {n} blocks of {bs}, after {before}: "
+                               f"op {i} {_call(op)} {what}")
+                break
+        else:
+            passed += 1
+    return Verdict(name, passed, len(cases), problem)
+
+
 class CowCount(NamedTuple):
     """What one run asked of the cache: copies, preemptions, prefix-cache hits."""
 
@@ -118,3 +258,111 @@ def cow_scenarios(num_requests: int = 40, seed: int = 0) -> list[CowCount]:
                                                                             seed=seed),
                              enable_prefix_caching=True),
             count_cow_copies("recompute: a 40-block pool", short, num_gpu_blocks=40)]
+
+
+# ----------------------------------------------------------------- the registry
+def _copies_a_full_block(block_table, num_tokens, ref_counts, block_size):
+    """Wrong: copies a shared last block even when it is full (the token opens a new one)."""
+    return block_table[-1] if ref_counts[block_table[-1]] > 1 else None
+
+
+def _copies_every_partial_block(block_table, num_tokens, ref_counts, block_size):
+    """Wrong: forgets to ask whether the partial last block is shared at all."""
+    return block_table[-1] if num_tokens % block_size else None
+
+
+def _no_sharing(num_samples, prompt_len, gen_len, block_size):
+    """Wrong: every sample holds its own copy of everything."""
+    return num_samples * -(-(prompt_len + gen_len) // block_size)
+
+
+def _partial_block_shared_forever(num_samples, prompt_len, gen_len, block_size):
+    """Wrong: counts the prompt's partial block once, as if nobody wrote into it."""
+    prompt_blocks = -(-prompt_len // block_size)
+    return prompt_blocks + num_samples * (-(-(prompt_len + gen_len) // block_size)
+                                          - prompt_blocks)
+
+
+class _FreesHeadFirst(solutions.CowManager):
+    """Wrong: free releases the first block first, so the free stack ends in another order."""
+
+    def free(self, seq):
+        for block in self.tables.pop(seq):
+            self._drop(block)
+        del self.lens[seq]
+
+
+class _CopyKeepsTheReference(solutions.CowManager):
+    """Wrong: after a copy the source block keeps the writer's reference (it leaks)."""
+
+    def append(self, seq):
+        table, n = self.tables[seq], self.lens[seq]
+        if n % self.block_size and self.refs[table[-1]] > 1:
+            src = table[-1]
+            table[-1] = self._take()
+            self.lens[seq] = n + 1
+            return (src, table[-1])
+        return super().append(seq)
+
+
+class _FreeIgnoresSharing(solutions.CowManager):
+    """Wrong: free returns every block to the pool, even those another table still uses."""
+
+    def free(self, seq):
+        for block in reversed(self.tables.pop(seq)):
+            if self.refs[block] > 0:
+                self.refs[block] = 0
+                self.free_stack.append(block)
+        del self.lens[seq]
+
+
+class _DoesNothing:
+    def __init__(self, num_blocks, block_size):
+        pass
+
+    def allocate(self, *args):
+        return None
+
+    fork = append = free = block_table = ref_count = allocate
+
+
+EXERCISES = Exercises(
+    Exercise("5.1", "block_to_copy", check_block_to_copy, hints=(
+        "Two questions decide it: does the new token go into the last block at all, and does "
+        "anybody else point at that block?",
+        "num_tokens % block_size == 0 means the last block is full: the token opens a new "
+        "block and nothing is copied. Otherwise the last block is copied only if its ref "
+        "count is above 1.",
+        "Read BlockManager._append_need in course_lib/memory/manager.py: the same two tests.",
+    ), solution=solutions.block_to_copy, wrong=(_copies_a_full_block,
+                                                _copies_every_partial_block)),
+    Exercise("5.2", "blocks_held", check_blocks_held, hints=(
+        "Split the prompt into its full blocks (shared by every sample for ever) and the rest "
+        "(each sample writes there, so each ends with its own copy).",
+        "After the first write, each sample holds ceil((prompt_len + gen_len) / block_size) - "
+        "prompt_len // block_size blocks of its own. With gen_len = 0 nobody wrote: the "
+        "partial block is still shared.",
+        "Compare with capacity.blocks_with_shared_prefix in course_lib/capacity.py, then "
+        "BlockManager.append_slots in course_lib/memory/manager.py.",
+    ), solution=solutions.blocks_held, wrong=(_no_sharing, _partial_block_shared_forever)),
+    Exercise("5.3", "CowManager", check_cow_manager, hints=(
+        "Start from the toy on the page (tables, lens, refs, a free stack) and put it in a "
+        "class; what is new is free(): it drops one reference per block of the table.",
+        "A block goes back on the free stack only when its ref count reaches 0. free() walks "
+        "the table from its last block to its first; a copy takes the top of the free stack, "
+        "then drops the writer's reference to the source block.",
+        "Read BlockManager.append_slots, fork and free in course_lib/memory/manager.py, and "
+        "BlockAllocator.touch / release in course_lib/memory/pool.py.",
+    ), solution=solutions.CowManager, wrong=(_FreesHeadFirst, _CopyKeepsTheReference,
+                                             _FreeIgnoresSharing), trivial=(_DoesNothing,)),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

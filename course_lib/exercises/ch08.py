@@ -1,20 +1,24 @@
-"""Exercises of chapter 08 (capacity planning): the block pool, KV heads per rank, requests.
+"""Exercises of chapter 08 (capacity planning): the smallest TP size for a load, KV heads per
+rank, requests per pool.
 
 As in ch01, reference_* is the library's answer (course_lib.capacity) and check_* compares a
 learner's function with it on many cases. Some cases have no answer: the library raises
-ValueError (the model does not fit; a TP size that cannot split the heads). There the
+ValueError (no TP size serves the load; a TP size that cannot split the heads). There the
 learner's function must raise ValueError too; the checkers compare "raises ValueError" like
-a value.
+a value. ``reference_num_gpu_blocks`` and ``BLOCK_CASES`` are the page's toy budget on the
+articles' figures (no longer an exercise: the page computes it), kept for the figures' tests.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
 from course_lib import capacity as cap
 from course_lib.capacity import GiB
-from course_lib.exercises import Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises.solutions import ch08 as solutions
 
 RAISES = "raises ValueError"
 
@@ -93,9 +97,66 @@ def reference_max_num_requests(num_gpu_blocks: int, block_size: int, max_model_l
     return num_gpu_blocks // cap.num_blocks_for_tokens(max_model_len, block_size)
 
 
-def check_num_gpu_blocks(fn: Callable[..., int]) -> Verdict:
-    return check("8.1 num_gpu_blocks", raises_as_value(fn),
-                 raises_as_value(reference_num_gpu_blocks), BLOCK_CASES)
+def reference_smallest_tp(num_layers: int, num_attention_heads: int, num_kv_heads: int,
+                          head_dim: int, num_params: int, gpu_memory_gib: float,
+                          max_model_len: int, num_requests: int) -> int:
+    """The smallest tensor-parallel size whose every rank holds ``num_requests`` requests of
+    ``max_model_len`` tokens at once: 16-bit weights split evenly over the ranks, 16-bit K/V,
+    ``gpu_memory_utilization`` 0.9, blocks of 16 tokens, no activations or overhead. Sizes
+    that cannot split the heads are skipped; ValueError when no size works."""
+    spec = cap.ModelSpec("exercise", num_layers, num_attention_heads, num_kv_heads, head_dim,
+                         num_params=num_params)
+    per_request = cap.num_blocks_for_tokens(max_model_len, 16)
+    for tp in range(1, num_attention_heads + 1):
+        try:
+            block = cap.block_bytes(spec, 16, tp)
+            avail = cap.available_kv_bytes(round(gpu_memory_gib * GiB), 0.9,
+                                           round(spec.weight_bytes / tp))
+        except ValueError:                    # cannot split the heads / the weights do not fit
+            continue
+        if cap.num_gpu_blocks(avail, block) // per_request >= num_requests:
+            return tp
+    raise ValueError(f"no tensor-parallel size of {spec.num_attention_heads} heads serves "
+                     f"{num_requests} requests of {max_model_len} tokens")
+
+
+_MODELS = {   # (num_layers, num_attention_heads, num_kv_heads, head_dim, num_params)
+    "Llama-2-7B": (32, 32, 32, 128, 6_738_415_616),
+    "Llama-3-8B": (32, 32, 8, 128, 8_030_261_248),
+    "Llama-3-70B": (80, 64, 8, 128, 70_553_706_496),
+    "Qwen2.5-7B": (28, 28, 4, 128, 7_615_616_512),
+    "24 heads, 6 KV heads": (40, 24, 6, 128, 20_000_000_000),
+    "MQA, 1 KV head": (48, 48, 1, 128, 15_000_000_000),
+}
+
+
+def tp_cases(seed: int = 12, count: int = 30) -> list[tuple]:
+    llama70, llama8, odd, mqa = (_MODELS[k] for k in ("Llama-3-70B", "Llama-3-8B",
+                                                       "24 heads, 6 KV heads", "MQA, 1 KV head"))
+    cases = [
+        (*llama8, 80, 8192, 1),          # fits one GPU
+        (*llama70, 80, 8192, 1),         # 141 GB of weights: 2 ranks at least
+        (*llama70, 80, 32_768, 100),     # a load that needs more ranks
+        (*llama70, 80, 32_768, 10_000),  # no size serves it: ValueError
+        (*odd, 40, 4096, 60),            # 24 query and 6 KV heads: TP 3 and 6 valid, 4 not
+        (*odd, 24, 8192, 40),            # TP 6: a power-of-two search misses it
+        (*mqa, 80, 4096, 200),           # one KV head: the cache per rank never shrinks
+        (*llama8, 24, 8193, 5),          # one token past 8192: 513 blocks a request
+        (*llama8, 16, 8192, 1),          # 16 GB of weights on 14.4 usable: TP 2
+        (*llama8, 24, 17, 2500),         # 17 tokens take 2 blocks, 32 slots, not 17
+    ]
+    rng = random.Random(seed)
+    names = sorted(_MODELS)
+    for _ in range(count):
+        cases.append((*_MODELS[rng.choice(names)], rng.choice([24, 40, 48, 80, 141]),
+                      rng.choice([2048, 4097, 8192, 32_768, 131_072, 100, 1000]),
+                      rng.choice([1, 4, 16, 64, 256, 1024])))
+    return cases
+
+
+def check_smallest_tp(fn: Callable[..., int]) -> Verdict:
+    return check("8.1 smallest_tp", raises_as_value(fn), raises_as_value(reference_smallest_tp),
+                 tp_cases())
 
 
 def check_kv_heads_per_rank(fn: Callable[[int, int], int]) -> Verdict:
@@ -106,3 +167,78 @@ def check_kv_heads_per_rank(fn: Callable[[int, int], int]) -> Verdict:
 def check_max_num_requests(fn: Callable[[int, int, int], int]) -> Verdict:
     return check("8.3 max_num_requests", raises_as_value(fn),
                  raises_as_value(reference_max_num_requests), REQUEST_CASES)
+
+
+# ----------------------------------------------------------------- the registry
+def _weights_not_split(L, H, KV, D, P, gib, max_len, n):
+    """Wrong: every rank holds all the weights."""
+    return _search(L, H, KV, D, P, gib, max_len, n, split_weights=False)
+
+
+def _powers_of_two(L, H, KV, D, P, gib, max_len, n):
+    """Wrong: tries only 1, 2, 4, 8, ... (TP 3 or 6 can be the answer)."""
+    return _search(L, H, KV, D, P, gib, max_len, n, sizes=[2 ** k for k in range(8)])
+
+
+def _tokens_not_blocks(L, H, KV, D, P, gib, max_len, n):
+    """Wrong: a request takes max_model_len token slots, not whole blocks."""
+    return _search(L, H, KV, D, P, gib, max_len, n, whole_blocks=False)
+
+
+def _search(L, H, KV, D, P, gib, max_len, n, split_weights=True, sizes=None,
+            whole_blocks=True):
+    for tp in sizes or range(1, H + 1):
+        if tp > H or H % tp or (KV % tp if tp <= KV else tp % KV):
+            continue
+        block = 16 * L * 2 * max(1, KV // tp) * D * 2
+        budget = 0.9 * gib * 2**30 - 2 * P / (tp if split_weights else 1)
+        if budget < 0:
+            continue
+        blocks = budget // block
+        fits = blocks // -(-max_len // 16) if whole_blocks else blocks * 16 // max_len
+        if fits >= n:
+            return tp
+    raise ValueError("none")
+
+
+EXERCISES = Exercises(
+    Exercise("8.1", "smallest_tp", check_smallest_tp, hints=(
+        "Try the sizes in increasing order and return the first that works. Three things "
+        "change with tp: which sizes are allowed at all, the weights on a rank, and the K/V "
+        "heads a rank caches.",
+        "Allowed: tp divides num_attention_heads, and tp and num_kv_heads divide one another. "
+        "Per rank: weights 2 x num_params / tp bytes; max(1, num_kv_heads // tp) KV heads; "
+        "a budget below 0 means this size does not fit. A request takes "
+        "ceil(max_model_len / 16) whole blocks.",
+        "Read kv_heads_per_rank, block_bytes, available_kv_bytes and plan_kv_cache in "
+        "course_lib/capacity.py.",
+    ), solution=solutions.smallest_tp, wrong=(_weights_not_split, _powers_of_two,
+                                              _tokens_not_blocks)),
+    Exercise("8.2", "kv_heads_per_rank", check_kv_heads_per_rank, hints=(
+        "Two regimes: fewer ranks than heads (split them), more ranks than heads (each rank "
+        "keeps a copy of one). And a third answer: this TP cannot split the heads at all.",
+        "tp <= heads: heads % tp must be 0, the answer heads // tp. tp > heads: tp % heads "
+        "must be 0, the answer 1. tp < 1 is never valid. Otherwise raise ValueError.",
+        "Read kv_heads_per_rank in course_lib/capacity.py (it also handles MLA).",
+    ), solution=solutions.kv_heads_per_rank, wrong=(lambda h, tp: h // tp,
+                                                    lambda h, tp: max(1, h // tp))),
+    Exercise("8.3", "max_num_requests", check_max_num_requests, hints=(
+        "A request holds whole blocks: how many blocks does max_model_len take?",
+        "ceil(max_model_len / block_size) blocks per request, then how many of those fit "
+        "in the pool (a floor).",
+        "Read num_blocks_for_tokens and max_concurrency in course_lib/capacity.py (vLLM logs "
+        "the token-based figure, which differs when max_model_len is not a multiple of the "
+        "block size).",
+    ), solution=solutions.max_num_requests, wrong=(lambda n, bs, L: n * bs // L,
+                                                   lambda n, bs, L: n // max(1, L // bs))),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

@@ -1,101 +1,304 @@
-"""Exercises of chapter 09 (context parallelism, MLA): the merge, the layout, the capacity.
+"""Chapter 09 exercises: where context parallelism puts each token, the decode step's
+MAX-then-SUM merge over ranks, and how long a generation each layout holds.
 
-reference_* is the library's answer; check_* runs a learner's function on many cases,
-edge cases included (empty pieces of attention, fewer tokens than ranks, TP that must not
-shrink an MLA cache), and reports the first difference.
+* 9.1 ``place_tokens``: the positions each rank stores after a prompt and some decode steps, in
+  the tutorial's contiguous layout and in vLLM's interleaved one (reference:
+  ``CPCase.rank_of`` of :mod:`course_lib.parallel.cp_decode`);
+* 9.2 ``cp_decode``: one decode step's attention with the keys spread over ranks, merged as
+  the all-reduces do (reference: attention over all the keys on one rank);
+* 9.3 ``max_decode_steps``: decode steps before one rank's pool is full.
+
+Checkers run edge cases (empty ranks, one rank, a prompt that fills a rank, scores that
+overflow ``exp``) and random ones from a fixed seed; feedback names the token, the head or the
+rank that differs.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from course_lib import capacity as cap
-from course_lib.exercises import Verdict, check
-from course_lib.parallel.merge import merge_attn_states, partial_attention, split_ranges
+from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises.solutions import ch09 as solutions
+from course_lib.parallel.cp_decode import CPCase
+from course_lib.parallel.merge import partial_attention
 
 
-def _merge_cases() -> list[tuple[torch.Tensor, ...]]:
-    """(out_a, lse_a, out_b, lse_b): real pieces of one attention, and empty ones (-inf)."""
+def _case(prompt_len: int, cp_size: int, interleave_size: int) -> tuple[CPCase, int]:
+    placement = "interleaved" if interleave_size else "contiguous"
+    return CPCase(prompt_len=prompt_len, placement=placement,
+                  interleave_size=max(1, interleave_size)), cp_size
+
+
+def place_tokens(prompt_len: int, num_steps: int, cp_size: int,
+                 interleave_size: int) -> list[list[int]]:
+    """Reference of 9.1: each rank's positions, ascending (``interleave_size`` 0: contiguous)."""
+    case, cp = _case(prompt_len, cp_size, interleave_size)
+    ranks: list[list[int]] = [[] for _ in range(cp)]
+    for p in range(prompt_len + num_steps):
+        ranks[case.rank_of(p, cp)].append(p)
+    return ranks
+
+
+def _layout(interleave_size: int) -> str:
+    return (f"interleaved by {interleave_size}" if interleave_size else "contiguous")
+
+
+def _run(name: str, fn: Callable, cases: list[tuple], judge: Callable) -> Verdict:
+    """Each case: ``judge(case, answer) -> problem or None``; stubs are not attempted."""
+    passed, problem = 0, None
+    for case in cases:
+        try:
+            got = fn(*case)
+        except NotImplementedError:
+            return Verdict(name, 0, len(cases), attempted=False)
+        except Exception as exc:
+            problem = problem or f"{judge(case, None, describe=True)}: raised " \
+                                 f"{type(exc).__name__}: {exc}"
+            continue
+        issue = judge(case, got)
+        if issue is None:
+            passed += 1
+        elif problem is None:
+            problem = issue
+    return Verdict(name, passed, len(cases), problem)
+
+
+def _judge_places(case: tuple, got, describe: bool = False) -> str | None:
+    prompt_len, steps, cp, inter = case
+    where = f"prompt {prompt_len}, {steps} decode steps, cp_size {cp}, {_layout(inter)}"
+    if describe:
+        return where
+    want = place_tokens(*case)
+    try:
+        got = [sorted(int(p) for p in r) for r in got]
+    except TypeError:
+        return f"{where}: returned {got!r}, not one list of positions per rank"
+    if got == want:
+        return None
+    if len(got) != cp:
+        return f"{where}: {len(got)} ranks, should be {cp} (an empty rank is an empty list)"
+    seen: dict[int, list[int]] = {}
+    for r, positions in enumerate(got):
+        for p in positions:
+            seen.setdefault(p, []).append(r)
+    for p in range(prompt_len + steps):
+        right = next(r for r, ps in enumerate(want) if p in ps)
+        kind = "a prompt token" if p < prompt_len else f"decode step {p - prompt_len}'s token"
+        if seen.get(p) != [right]:
+            on = ("on no rank" if p not in seen else f"on rank {seen[p][0]}"
+                  if len(seen[p]) == 1 else f"on ranks {seen[p]}")
+            return f"{where}: position {p} ({kind}) is {on}, should be on rank {right}"
+    return f"{where}: positions {sorted(set(seen) - set(range(prompt_len + steps)))} do not exist"
+
+
+def check_place_tokens(fn: Callable[[int, int, int, int], list[list[int]]]) -> Verdict:
+    rng = random.Random(9)
+    cases = [(21, 6, 4, 0), (21, 6, 4, 2), (2, 3, 4, 0), (2, 3, 4, 1), (5, 0, 1, 0),
+             (16, 4, 4, 0), (7, 5, 3, 3), (1, 1, 2, 0), (30, 4, 2, 2), (37, 2, 4, 4)]
+    cases += [(rng.randint(1, 40), rng.randint(0, 12), rng.randint(1, 8),
+               rng.choice([0, 0, 1, 2, 4])) for _ in range(20)]
+    return _run("9.1 place_tokens", fn, cases, _judge_places)
+
+
+def cp_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: list[int],
+              cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of 9.2: what CP must reproduce, attention over every key on one rank."""
+    return partial_attention(q, k, v)
+
+
+def _decode_cases() -> list[tuple]:
     cases = []
-    for seed, n, cut in ((0, 10, 4), (1, 7, 1), (2, 33, 16), (3, 5, 0), (4, 5, 5), (5, 2, 1)):
+    specs = [  # (tokens, heads, kv heads, cp, owner rule, key scale, seed)
+        (11, 4, 2, 2, "contiguous", 1.0, 0), (3, 4, 2, 4, "contiguous", 1.0, 1),
+        (1, 2, 1, 4, "contiguous", 1.0, 2), (9, 8, 2, 1, "contiguous", 1.0, 3),
+        (20, 4, 4, 4, "interleaved", 1.0, 4), (12, 4, 2, 3, "interleaved", 3000.0, 5),
+        (10, 2, 1, 4, "one rank", 1.0, 6), (16, 8, 1, 4, "random", 50.0, 7)]
+    rng = random.Random(90)
+    specs += [(rng.randint(1, 30), 4, rng.choice([1, 2, 4]), rng.randint(1, 6),
+               rng.choice(["contiguous", "interleaved", "random"]), rng.choice([1.0, 5.0]),
+               100 + i) for i in range(8)]
+    for n, heads, kv_heads, cp, rule, scale, seed in specs:
         g = torch.Generator().manual_seed(seed)
-        q = torch.randn(3, 4, generator=g, dtype=torch.float64)
-        k = 4 * torch.randn(n, 1, 4, generator=g, dtype=torch.float64)
-        v = torch.randn(n, 1, 4, generator=g, dtype=torch.float64)
-        a, b = partial_attention(q, k[:cut], v[:cut]), partial_attention(q, k[cut:], v[cut:])
-        cases.append((a[0], a[1], b[0], b[1]))
-    empty = partial_attention(torch.ones(3, 4, dtype=torch.float64),
-                              torch.zeros(0, 1, 4, dtype=torch.float64),
-                              torch.zeros(0, 1, 4, dtype=torch.float64))
-    cases.append((empty[0], empty[1], empty[0], empty[1]))           # both empty: no NaN
-    big = torch.tensor([800.0, -800.0, 0.0], dtype=torch.float64)    # exp() would overflow
-    cases.append((torch.ones(3, 4, dtype=torch.float64), big,
-                  torch.zeros(3, 4, dtype=torch.float64), big - 1.0))
+        q = torch.randn(heads, 16, generator=g, dtype=torch.float64)
+        k = scale * torch.randn(n, kv_heads, 16, generator=g, dtype=torch.float64)
+        v = torch.randn(n, kv_heads, 16, generator=g, dtype=torch.float64)
+        if rule == "contiguous":
+            owner = [next(r for r in range(cp) if r * n // cp <= i < (r + 1) * n // cp)
+                     for i in range(n)]
+        elif rule == "interleaved":
+            owner = [i % cp for i in range(n)]
+        elif rule == "one rank":
+            owner = [cp - 1] * n
+        else:
+            owner = [int(torch.randint(cp, (1,), generator=g)) for _ in range(n)]
+        cases.append((q, k, v, owner, cp))
     return cases
 
 
-def _same_pair(got: Any, want: Any) -> bool:
-    return (isinstance(got, tuple) and len(got) == 2
-            and all(isinstance(g, torch.Tensor) and g.shape == w.shape
-                    and torch.allclose(g.to(w.dtype), w, rtol=1e-9, atol=1e-12, equal_nan=False)
-                    for g, w in zip(got, want, strict=True)))
+def _judge_decode(case: tuple, got, describe: bool = False) -> str | None:
+    q, k, v, owner, cp = case
+    empty = [r for r in range(cp) if r not in owner]
+    where = (f"{k.shape[0]} tokens on {cp} ranks (owner {owner}"
+             + (f"; ranks {empty} hold nothing" if empty else "") + ")")
+    if describe:
+        return where
+    want_out, want_lse = cp_decode(*case)
+    if not (isinstance(got, tuple) and len(got) == 2
+            and all(isinstance(t, torch.Tensor) for t in got)):
+        return f"{where}: returned {type(got).__name__}, not a pair of tensors (out, lse)"
+    out, lse = got
+    if out.shape != want_out.shape or lse.shape != want_lse.shape:
+        return (f"{where}: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}; should be "
+                f"{tuple(want_out.shape)} and {tuple(want_lse.shape)}")
+    out, lse = out.to(torch.float64), lse.to(torch.float64)
+    if not bool(torch.isfinite(out).all()):
+        return (f"{where}: out has NaN or inf (an exp() that overflowed, or 0/0 from an empty "
+                "rank): subtract the MAX of the ranks' LSEs before exp")
+    bad = (out - want_out).abs().amax(dim=-1) > 1e-8
+    if bool(bad.any()):
+        h = int(bad.nonzero()[0])
+        return (f"{where}: head {h}'s output is off by "
+                f"{float((out[h] - want_out[h]).abs().max()):.3g} (weigh each rank's output "
+                "by exp(lse_r - max) / the SUM of those weights)")
+    if not torch.allclose(lse, want_lse, rtol=1e-9, atol=1e-9):
+        h = int(((lse - want_lse).abs() > 1e-9).nonzero()[0])
+        return (f"{where}: outputs right, head {h}'s lse is {float(lse[h]):.6g}, should be "
+                f"{float(want_lse[h]):.6g} (the union's lse: max + log(SUM of the weights))")
+    return None
 
 
-def reference_merge_two(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                        lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets: ``(out [H, d], lse [H])``."""
-    return merge_attn_states(out_a, lse_a, out_b, lse_b)
+def check_cp_decode(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Verdict:
+    return _run("9.2 cp_decode", fn, _decode_cases(), _judge_decode)
 
 
-def check_merge_two(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Verdict:
-    return check("9.1 merge_two", fn, reference_merge_two, _merge_cases(), compare=_same_pair)
+def max_decode_steps(prompt_len: int, cp_size: int, interleave_size: int,
+                     num_gpu_blocks: int, block_size: int) -> int:
+    """Reference of 9.3: decode steps until the next token's rank has no free slot."""
+    case, cp = _case(prompt_len, cp_size, interleave_size)
+    held, room = [0] * cp, num_gpu_blocks * block_size
+    for p in range(prompt_len):
+        held[case.rank_of(p, cp)] += 1
+    steps = 0
+    while held[case.rank_of(prompt_len + steps, cp)] < room:
+        held[case.rank_of(prompt_len + steps, cp)] += 1
+        steps += 1
+    return steps
 
 
-# (position, num_tokens, cp_size)
-RANK_CASES = [(0, 16, 4), (3, 16, 4), (4, 16, 4), (15, 16, 4), (9, 10, 4), (0, 10, 4),
-              (2, 10, 4), (5, 10, 3), (0, 1, 4), (1, 2, 4), (0, 2, 4), (999, 1000, 8),
-              (0, 7, 1), (6, 7, 1)]
+def _judge_steps(case: tuple, got, describe: bool = False) -> str | None:
+    prompt_len, cp, inter, blocks, bs = case
+    where = (f"prompt {prompt_len}, cp_size {cp}, {_layout(inter)}, {blocks} blocks of {bs} "
+             "per rank")
+    if describe:
+        return where
+    want = max_decode_steps(*case)
+    if got == want:
+        return None
+    ranks = place_tokens(prompt_len, want, cp, inter)
+    full = [r for r, ps in enumerate(ranks) if len(ps) == blocks * bs]
+    return (f"{where}: {got!r} steps, the library {want}: after {want} steps the ranks hold "
+            f"{[len(ps) for ps in ranks]} tokens and the next token goes to a full rank "
+            f"(full: {full})")
 
 
-def reference_rank_of_token(position: int, num_tokens: int, cp_size: int) -> int:
-    """The contiguous layout of the "Block Manager tutorial" (§5.3): the rank whose range
-    [r*N//cp, (r+1)*N//cp) holds ``position``."""
-    return next(r for r, (a, b) in enumerate(split_ranges(num_tokens, cp_size))
-                if a <= position < b)
+def check_max_decode_steps(fn: Callable[[int, int, int, int, int], int]) -> Verdict:
+    rng = random.Random(93)
+    cases = [(20, 4, 0, 2, 4), (20, 4, 1, 2, 4), (8, 2, 0, 1, 4), (3, 4, 0, 1, 1),
+             (3, 4, 1, 1, 1), (16, 1, 0, 2, 8), (21, 4, 2, 2, 4), (100, 8, 0, 4, 16),
+             (100, 8, 16, 4, 16)]
+    while len(cases) < 30:
+        cp, inter, blocks, bs = (rng.randint(1, 8), rng.choice([0, 1, 2, 4, 16]),
+                                 rng.randint(1, 8), rng.choice([1, 4, 16]))
+        prompt = rng.randint(1, cp * blocks * bs)
+        if max(map(len, place_tokens(prompt, 0, cp, inter))) <= blocks * bs:   # it fits
+            cases.append((prompt, cp, inter, blocks, bs))
+    return _run("9.3 max_decode_steps", fn, cases, _judge_steps)
 
 
-def check_rank_of_token(fn: Callable[[int, int, int], int]) -> Verdict:
-    return check("9.2 rank_of_token", fn, reference_rank_of_token, RANK_CASES)
+# ---------------------------------------------------------------- plausible wrong answers
+def _ceil_ranges(prompt_len, num_steps, cp_size, interleave_size):   # ceil-sized chunks
+    if interleave_size:
+        return solutions.place_tokens(prompt_len, num_steps, cp_size, interleave_size)
+    chunk = -(-prompt_len // cp_size)
+    ranks = [[] for _ in range(cp_size)]
+    for p in range(prompt_len + num_steps):
+        ranks[min(p // chunk, cp_size - 1)].append(p)
+    return ranks
 
 
-# (num_gpu_blocks, block_size, cp_size)
-CP_CASES = [(3258, 16, 4), (3258, 16, 1), (83_558, 16, 8), (0, 16, 4), (1, 1, 2), (100, 32, 3)]
+def _interleave_tokens_not_chunks(prompt_len, num_steps, cp_size, interleave_size):
+    return solutions.place_tokens(prompt_len, num_steps, cp_size, 1 if interleave_size else 0)
 
 
-def reference_cp_max_tokens(num_gpu_blocks: int, block_size: int, cp_size: int) -> int:
-    """Longest single request: blocks x block_size x CP size ("Block Manager tutorial" §10)."""
-    return cap.context_parallel_capacity(num_gpu_blocks, block_size, cp_size)
+def _no_max(q, k, v, owner, cp_size):                 # exp(lse) overflows
+    parts = [partial_attention(q, k[[i for i, o in enumerate(owner) if o == r]],
+                               v[[i for i, o in enumerate(owner) if o == r]])
+             for r in range(cp_size)]
+    w = [torch.exp(lse) for _, lse in parts]
+    den = sum(w)
+    return sum(wi[:, None] * o for wi, (o, _) in zip(w, parts, strict=True)) / den[:, None], \
+        torch.log(den)
 
 
-def check_cp_max_tokens(fn: Callable[[int, int, int], int]) -> Verdict:
-    return check("9.3 cp_max_tokens", fn, reference_cp_max_tokens, CP_CASES)
+def _lse_is_the_max(q, k, v, owner, cp_size):         # forgets the log of the SUM
+    out, lse = solutions.cp_decode(q, k, v, owner, cp_size)
+    parts = [partial_attention(q, k[[i for i, o in enumerate(owner) if o == r]],
+                               v[[i for i, o in enumerate(owner) if o == r]])
+             for r in range(cp_size)]
+    return out, torch.stack([p[1] for p in parts]).max(dim=0).values
 
 
-# (num_layers, kv_lora_rank, qk_rope_head_dim, dtype_bytes, tensor_parallel_size)
-MLA_CASES = [(61, 512, 64, 2, 1), (61, 512, 64, 2, 8), (61, 512, 64, 1, 2), (27, 512, 64, 2, 4),
-             (60, 512, 64, 2, 16), (1, 16, 4, 4, 2)]
+def _whole_pool(prompt_len, cp_size, interleave_size, num_gpu_blocks, block_size):
+    return cp_size * num_gpu_blocks * block_size - prompt_len      # ignores the placement
 
 
-def reference_mla_bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
-                                  dtype_bytes: int, tensor_parallel_size: int) -> int:
-    """Per-rank MLA cache per token: layers x (d_c + d_rope) x bytes, whatever the TP size."""
-    spec = cap.ModelSpec("exercise", num_layers, 16, 1, 128, 1, dtype_bytes,
-                         kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
-    return cap.kv_bytes_per_token(spec, tensor_parallel_size)
+def _balanced_decode(prompt_len, cp_size, interleave_size, num_gpu_blocks, block_size):
+    if interleave_size:
+        return _whole_pool(prompt_len, cp_size, interleave_size, num_gpu_blocks, block_size)
+    return num_gpu_blocks * block_size - prompt_len // cp_size     # forgets the last range
 
 
-def check_mla_bytes_per_token(fn: Callable[..., int]) -> Verdict:
-    return check("9.4 mla_bytes_per_token", fn, reference_mla_bytes_per_token, MLA_CASES)
+EXERCISES = Exercises(
+    Exercise("9.1", "place_tokens", check_place_tokens, hints=(
+        "Decide the rank of one position at a time, then loop over positions 0 .. prompt_len "
+        "+ num_steps - 1 and append each to its rank's list.",
+        "Interleaved: chunk number position // interleave_size, dealt round-robin, so rank "
+        "(position // interleave_size) % cp_size. Contiguous: a prompt position p is on the "
+        "rank r with r * P // cp <= p < (r + 1) * P // cp; a decode token on rank cp - 1.",
+        "Read CPCase.rank_of in course_lib/parallel/cp_decode.py and split_ranges in "
+        "course_lib/parallel/merge.py; draw_cp_layout draws the result.",
+    ), solution=solutions.place_tokens, wrong=(_ceil_ranges, _interleave_tokens_not_chunks),
+        trivial=(lambda *a: None, lambda *a: [])),
+    Exercise("9.2", "cp_decode", check_cp_decode, hints=(
+        "Per rank r: the indices i with owner[i] == r; partial_attention(q, k[idx], v[idx]) "
+        "gives (out_r, lse_r), and (zeros, -inf) for a rank with no token.",
+        "Merge as the network does: m = the MAX of the lse_r (one all-reduce), w_r = exp(lse_r "
+        "- m), then the SUM of w_r * out_r and the SUM of w_r (two more): out = num / den, "
+        "lse = m + log(den). Subtracting m keeps exp() finite and an empty rank at weight 0.",
+        "Read cp_merge in course_lib/parallel/cp_decode.py (the all-reduce version) and "
+        "merge_partials in course_lib/parallel/merge.py.",
+    ), solution=solutions.cp_decode, wrong=(_no_max, _lse_is_the_max)),
+    Exercise("9.3", "max_decode_steps", check_max_decode_steps, hints=(
+        "Count the prompt tokens each rank holds (your 9.1), then add decode tokens one at a "
+        "time to the rank their position goes to; stop when that rank already holds "
+        "num_gpu_blocks * block_size tokens.",
+        "Contiguous: every decode token lands on the last rank, so the answer is that rank's "
+        "room left after its prompt range. Interleaved: the ranks fill in turn, and the first "
+        "rank that is full when its turn comes ends the run.",
+        "The same placement as CPCase.rank_of in course_lib/parallel/cp_decode.py; "
+        "capacity.context_parallel_capacity in course_lib/capacity.py is the best case.",
+    ), solution=solutions.max_decode_steps, wrong=(_whole_pool, _balanced_decode)),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

@@ -4,14 +4,16 @@ Figures: the memory sharing saves per width beside the vLLM paper's (:func:`shar
 the metric names of the two designs (:func:`metric_names`), and the "Memory optimization"
 article's prefix-caching speed-up in numbers (:func:`article_prefix_case`).
 
-Exercises: the slots of a step, beam candidates, the memory sharing saves. References run the
-library: ``course_lib.kernels.reference.slot_mapping`` (what the model runner builds from a
-block table), ``course_lib.engine.sampler.sample`` for beam search (top ``2 x width``
-log-probabilities), ``course_lib.engine.workloads.saving_of_tables``.
+Exercises: a step's flat batch (positions, and the rows the sampler reads: none for a prefill
+chunk that stops short of the prompt's end), one beam-search step (cumulative log-probabilities,
+forks and drops), the memory sharing saves. ``tests/test_exercises_ch10.py`` checks the
+references against the engine (``make_attention_metadata``, the scheduler's beam step,
+``workloads.saving_of_tables``).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,12 +24,10 @@ from course_lib import capacity as cap
 from course_lib.claims.sources import cite
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import PAPER_SHARING_SAVINGS, saving_of_tables, sharing_savings
-from course_lib.exercises import Verdict, check
-from course_lib.kernels.reference import slot_mapping
+from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises.solutions import ch10 as solutions
 from course_lib.scheduler.metrics import Metrics
-from course_lib.scheduler.output import ScheduledSeq
-from course_lib.sequence import Request, SamplingParams
-from course_lib.sequence import Sequence as Seq
+from course_lib.sequence import SamplingParams
 from course_lib.sim.traces import TraceRequest
 
 
@@ -118,64 +118,227 @@ def article_prefix_case(block_size: int = 16) -> PrefixCachingCase:
 
 
 # ---------------------------------------------------------------- exercises
+Entry = tuple[int, int, int]        # (num_tokens, num_computed, num_new) of one scheduled seq
 
 
-def step_slots(block_table: list[int], num_computed: int, num_new: int,
-               block_size: int) -> list[int]:
-    """Reference: the cache slots of tokens ``num_computed .. num_computed + num_new - 1``."""
-    return slot_mapping(block_table, list(range(num_computed, num_computed + num_new)),
-                        block_size)
+def flatten_step(entries: list[Entry]) -> tuple[list[int], list[int | None]]:
+    """Reference of 10.1: the positions of a step's flat batch (entries in order), and the row
+    of each entry's logits the sampler reads (its last new token), ``None`` for a prefill chunk
+    that ends before the sequence's last token (it samples nothing)."""
+    positions: list[int] = []
+    rows: list[int | None] = []
+    for num_tokens, num_computed, num_new in entries:
+        positions.extend(range(num_computed, num_computed + num_new))
+        rows.append(len(positions) - 1 if num_computed + num_new == num_tokens else None)
+    return positions, rows
 
 
-def beam_candidates(logits: list[float], width: int) -> list[tuple[int, float]]:
-    """Reference: the ``2 * width`` best (token, logprob) of one beam, best first."""
-    req = Request(0, (1,), SamplingParams(beam_width=width))
-    entry = ScheduledSeq(req, Seq(0, (1,)), 1, False, 2 * width, [])
-    from course_lib.engine.sampler import sample
-
-    return [(t, round(lp, 5)) for t, lp in sample(entry, torch.tensor(logits), 0)]
-
-
-def sharing_saving(tables: list[list[int]]) -> float:
-    """Reference: ``1 - distinct blocks / table entries`` at one instant."""
-    return saving_of_tables(tables)
-
-
-def _slot_cases() -> list[tuple]:
+def _flatten_cases() -> list[list[Entry]]:
     rng = random.Random(10)
-    cases = [([7], 0, 1, 16), ([3, 9], 15, 2, 16), ([5, 2, 8], 0, 12, 4), ([4, 1], 3, 1, 4)]
-    for _ in range(20):
-        bs = rng.choice([1, 2, 4, 16])
-        computed, new = rng.randint(0, 40), rng.randint(1, 20)
-        table = rng.sample(range(200), -(-(computed + new) // bs))
-        cases.append((table, computed, new, bs))
+    cases = [[], [(5, 4, 1)], [(9, 0, 9)], [(40, 0, 16)], [(40, 32, 8), (7, 6, 1)],
+             [(12, 8, 4), (30, 16, 8), (3, 2, 1)]]        # prefix hit, mid-prompt chunk, decode
+    for _ in range(30):
+        batch = []
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(1, 60)
+            done = rng.randint(0, n - 1)
+            batch.append((n, done, rng.randint(1, n - done)))
+        cases.append(batch)
     return cases
 
 
-def check_step_slots(fn: Callable[[list[int], int, int, int], list[int]]) -> Verdict:
-    return check("10.1 step_slots", fn, step_slots, _slot_cases())
+def check_flatten_step(fn: Callable[[list[Entry]], tuple[list[int], list[int | None]]]
+                       ) -> Verdict:
+    cases = _flatten_cases()
+    passed, problem = 0, None
+    for entries in cases:
+        want_pos, want_rows = flatten_step(entries)
+        try:
+            got_pos, got_rows = fn([tuple(e) for e in entries])
+            got_pos, got_rows = [int(p) for p in got_pos], list(got_rows)
+        except NotImplementedError:
+            return Verdict("10.1 flatten_step", 0, len(cases), attempted=False)
+        except Exception as exc:
+            problem = problem or f"batch {entries}: raised {type(exc).__name__}: {exc}"
+            continue
+        if got_pos == want_pos and got_rows == want_rows:
+            passed += 1
+            continue
+        if problem is None:
+            start = 0
+            for i, (n, c, q) in enumerate(entries):
+                where = f"batch {entries}, entry {i} (num_tokens={n}, computed={c}, new={q})"
+                if got_pos[start:start + q] != want_pos[start:start + q]:
+                    problem = (f"{where}: positions at rows {start}..{start + q - 1} are "
+                               f"{got_pos[start:start + q]}, should be {c}..{c + q - 1}")
+                    break
+                if i >= len(got_rows) or got_rows[i] != want_rows[i]:
+                    g = got_rows[i] if i < len(got_rows) else "missing"
+                    why = ("its chunk stops before the last token, so it samples nothing"
+                           if want_rows[i] is None else "the row of its last new token")
+                    problem = f"{where}: sample row {g}, should be {want_rows[i]} ({why})"
+                    break
+                start += q
+            problem = problem or (f"batch {entries}: {len(got_pos)} positions and "
+                                  f"{len(got_rows)} rows, should be {len(want_pos)} and "
+                                  f"{len(want_rows)}")
+    return Verdict("10.1 flatten_step", passed, len(cases), problem)
 
 
-def check_beam_candidates(fn: Callable[[list[float], int], list[tuple[int, float]]]) -> Verdict:
+Beam = tuple[list[int], float]                       # (generated tokens, cumulative logprob)
+
+
+def beam_step(beams: list[Beam], logits: list[list[float]], width: int
+              ) -> list[tuple[list[int], float, int]]:
+    """Reference of 10.2: the ``width`` best (beam + token) by cumulative log-probability
+    (``score + log_softmax(logits)[token]``), best first, ties to the smaller token list:
+    ``(tokens + [token], new score, index of the parent beam)``. With ``width == 1`` this is
+    greedy decoding that adds up log-probabilities. (Like the engine, only each beam's
+    ``2 * width`` best tokens can be among the winners, so only those are looked at.)"""
+    scored = []
+    for parent, ((tokens, score), row) in enumerate(zip(beams, logits, strict=True)):
+        logprobs = torch.log_softmax(torch.tensor(row, dtype=torch.float64), dim=0)
+        top = torch.topk(logprobs, min(2 * width, len(row)))
+        for lp, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            scored.append((score + lp, [*tokens, t], parent))
+    scored.sort(key=lambda c: (-c[0], c[1]))
+    return [(tokens, score, parent) for score, tokens, parent in scored[:width]]
+
+
+def _beam_cases() -> list[tuple[list[Beam], list[list[float]], int]]:
     rng = random.Random(11)
-    cases = [([0.0, 1.0, 2.0, 3.0], 1), ([5.0, -1.0, 2.5, 0.0, 4.0, 3.0], 2)]
-    for _ in range(10):
-        n = rng.randint(6, 40)
-        cases.append(([round(rng.gauss(0, 3), 3) + i * 1e-4 for i in range(n)],
-                      rng.randint(1, 3)))
+    cases = [([([], 0.0)], [[0.0, 1.0, 2.0, 3.0]], 1),             # width 1: greedy
+             ([([5], -0.5)], [[0.0, 1.0, 2.0, 3.0]], 1),
+             ([([], 0.0)], [[0.0, 1.0, 2.0, 3.0]], 3),             # one beam forks into three
+             ([([], 0.0)], [[0.0, 0.0, 0.0, 0.0]], 2),             # ties: smaller token first
+             ([([1], -0.1), ([2], -9.0)], [[0.0, 5.0, 1.0], [9.0, 0.0, 0.0]], 2),   # drop one
+             ([([7], -1.0), ([3], -1.2)], [[800.0, 0.0, 799.0], [0.0, 801.0, 0.0]], 2),
+             ([([], 0.0)], [[1.0, 2.0]], 3)]                       # fewer tokens than width
+    for _ in range(25):
+        width, vocab, length = rng.randint(1, 4), rng.randint(3, 12), rng.randint(1, 5)
+        beams = [([rng.randrange(vocab) for _ in range(length)], round(-rng.random() * 6, 3))
+                 for _ in range(rng.randint(1, width))]
+        cases.append((beams, [[round(rng.gauss(0, 3), 3) for _ in range(vocab)]
+                              for _ in beams], width))
+    return cases
 
-    def rounded(got, want) -> bool:
-        return [(int(t), round(float(lp), 4)) for t, lp in got] == \
-            [(t, round(lp, 4)) for t, lp in want]
-    return check("10.2 beam_candidates", fn, beam_candidates, cases, compare=rounded)
+
+def _say(beam) -> str:
+    tokens, score, parent = beam
+    return f"beam {parent} + token {tokens[-1] if tokens else '?'} (score {score:.4f})"
+
+
+def check_beam_step(fn: Callable[..., list[tuple[list[int], float, int]]]) -> Verdict:
+    cases = _beam_cases()
+    passed, problem = 0, None
+    for beams, logits, width in cases:
+        want = beam_step(beams, logits, width)
+        try:
+            got = fn([(list(t), s) for t, s in beams], [list(r) for r in logits], width)
+            got = [(list(map(int, t)), float(s), int(p)) for t, s, p in got]
+        except NotImplementedError:
+            return Verdict("10.2 beam_step", 0, len(cases), attempted=False)
+        except Exception as exc:
+            problem = problem or (f"beams {beams}, width {width}: raised "
+                                  f"{type(exc).__name__}: {exc}")
+            continue
+        if len(got) == len(want) and all(
+                g[0] == w[0] and g[2] == w[2] and math.isclose(g[1], w[1], abs_tol=1e-6)
+                for g, w in zip(got, want, strict=True)):
+            passed += 1
+            continue
+        if problem is None:
+            where = f"beams {beams} (tokens, score), width {width}"
+            if len(got) != len(want):
+                problem = (f"{where}: {len(got)} beams kept, should be {len(want)} (the "
+                           "width best candidates over all beams, fewer only if the "
+                           "vocabulary is smaller)")
+            else:
+                i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True))
+                         if g[0] != w[0] or g[2] != w[2] or not math.isclose(g[1], w[1],
+                                                                           abs_tol=1e-6))
+                problem = f"{where}: new beam {i} is {_say(got[i])}, should be {_say(want[i])}"
+                if (got[i][0], got[i][2]) == (want[i][0], want[i][2]) and math.isclose(
+                        got[i][1], want[i][1] - beams[want[i][2]][1], abs_tol=1e-6):
+                    problem += ": scores are cumulative (add the parent beam's score)"
+    return Verdict("10.2 beam_step", passed, len(cases), problem)
+
+
+def sharing_saving(tables: list[list[int]]) -> float:
+    """Reference of 10.3: ``1 - distinct blocks / table entries`` at one instant."""
+    return saving_of_tables(tables)
 
 
 def check_sharing_saving(fn: Callable[[list[list[int]]], float]) -> Verdict:
     rng = random.Random(12)
-    cases = [([],), ([[1, 2, 3]],), ([[1, 2, 3], [1, 2, 4]],), ([[0], [0], [0], [0]],)]
+    cases = [([],), ([[1, 2, 3]],), ([[1, 2, 3], [1, 2, 4]],), ([[0], [0], [0], [0]],),
+             ([[], [4]],)]
     for _ in range(10):
         prefix = rng.sample(range(100, 200), rng.randint(0, 5))
         cases.append(([prefix + rng.sample(range(100), rng.randint(1, 4))
                        for _ in range(rng.randint(1, 6))],))
     return check("10.3 sharing_saving", fn, sharing_saving, cases,
-                 compare=lambda got, want: abs(float(got) - want) < 1e-9)
+                 compare=lambda got, want: isinstance(got, int | float) and abs(got - want) < 1e-9)
+
+
+def _wrong_rows_always(entries):                 # samples after every chunk
+    positions, rows = solutions.flatten_step(entries)
+    starts = [0]
+    for _, _, q in entries:
+        starts.append(starts[-1] + q)
+    return positions, [s - 1 for s in starts[1:]]
+
+
+def _wrong_positions_from_zero(entries):         # forgets the tokens already cached
+    positions, rows = solutions.flatten_step(entries)
+    return [p for _, _, q in entries for p in range(q)], rows
+
+
+def _wrong_not_cumulative(beams, logits, width):  # ranks by this step's logprob only
+    new = solutions.beam_step([(t, 0.0) for t, _ in beams], logits, width)
+    return new
+
+
+def _wrong_top_per_beam(beams, logits, width):    # keeps the best token of every beam
+    picks = [solutions.beam_step([b], [r], 1)[0] for b, r in zip(beams, logits, strict=True)]
+    return [(t, s, i) for i, (t, s, _) in enumerate(picks)][:width]
+
+
+EXERCISES = Exercises(
+    Exercise("10.1", "flatten_step", check_flatten_step, hints=(
+        "Walk the entries in order and keep a running count of rows: entry i's new tokens "
+        "sit at rows start .. start + num_new - 1, at positions num_computed .. "
+        "num_computed + num_new - 1.",
+        "The sampler reads only the last new token's row, and only when the chunk reaches "
+        "the sequence's end (num_computed + num_new == num_tokens); otherwise append None.",
+        "Read make_attention_metadata and AttentionMetadata.last_token_indices in "
+        "course_lib/model/attention.py, and how num_candidates is 0 for a short chunk "
+        "(SamplingParams.num_candidates in course_lib/sequence.py).",
+    ), solution=solutions.flatten_step,
+        wrong=(_wrong_rows_always, _wrong_positions_from_zero)),
+    Exercise("10.2", "beam_step", check_beam_step, hints=(
+        "Every (beam, token) pair is a candidate scored score + logprob, where logprob = "
+        "logit - logsumexp(logits of that beam); subtract the max before exp().",
+        "Put the candidates of all beams in one list, sort by (-score, tokens + [token]) and "
+        "keep the first width: a beam picked twice forks, a beam never picked is dropped.",
+        "Read _beam_step in course_lib/scheduler/output_processor.py (and the sampler's beam "
+        "branch in course_lib/engine/sampler.py, which hands it 2 x width candidates a beam).",
+    ), solution=solutions.beam_step, wrong=(_wrong_not_cumulative, _wrong_top_per_beam)),
+    Exercise("10.3", "sharing_saving", check_sharing_saving, hints=(
+        "Entries: the sum of the tables' lengths. Distinct blocks: a set of every block id.",
+        "Return 0.0 when there are no entries at all (no tables, or only empty ones).",
+        "Read saving_of_tables in course_lib/engine/workloads.py.",
+    ), solution=solutions.sharing_saving,
+        wrong=(lambda ts: 1 - len({b for t in ts for b in t}) / sum(map(len, ts)),   # no 0.0
+               lambda ts: 1 - sum(len(set(t)) for t in ts) / max(1, sum(map(len, ts))))),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

@@ -1,16 +1,23 @@
-"""Chapter 11 (capstone) exercises: size the pool for a budget, then write the engine step.
+"""Chapter 11 (capstone) exercises: the block manager's append, the step's cache operations.
 
-* ``pool_blocks``: GPU blocks of the tiny model that fit a KV budget in bytes; the reference
-  goes through ``course_lib.capacity`` (a :class:`ModelSpec` of the tiny model).
-* ``mini_step``: one engine step built from the library's parts -- schedule, swap-out, swap-in,
-  copy-on-write copies, forward through the paged cache, greedy candidates, update. The checker
-  runs the learner's step in a loop (:func:`run_loop`) on workloads that fork samples (CoW
-  copies) and preempt by swap and by recompute, and compares every token with the reference
-  loop; ``tests/test_ch11.py`` checks that the reference loop equals ``LLMEngine``.
+* 11.1 ``append_slots(bm, seq_id, token_ids)``: reserve slots for new tokens on the real
+  :class:`~course_lib.memory.BlockManager`, copying a shared partial last block first
+  (copy-on-write). The checker routes every append of the engine's block manager through it.
+* 11.2 ``cache_ops(eng, out)``: run a step's ``blocks_to_swap_out``, ``blocks_to_swap_in`` and
+  ``blocks_to_copy`` on ``eng.gpu_caches`` / ``eng.cpu_caches`` (one ``(key, value)`` pair per
+  layer), in the order the block manager's contract requires. The checker tries it on cache
+  states where the order matters, then plugs it into the engine.
+
+Both checkers run the greedy step loop (:func:`run_loop`) on :data:`WORKLOADS` (forks with
+copy-on-write, swap and recompute preemption) and compare it step by step with the loop run
+on the library's parts; a difference names the step and what that step did to the cache.
+``tests/test_engine_chapters.py`` checks that the reference loop equals ``LLMEngine``.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,12 +25,22 @@ import torch
 
 from course_lib import capacity as cap
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises import capstone_checks as checks
+from course_lib.exercises.solutions import ch11 as solutions
 from course_lib.kernels.cache_ops import swap_blocks
 from course_lib.kernels.reference import copy_blocks_ref
+from course_lib.memory import BlockManager
 from course_lib.model import TinyLlama, allocate_kv_caches, make_attention_metadata
 from course_lib.scheduler import Scheduler
+from course_lib.scheduler.output import SchedulerOutput
 from course_lib.sequence import Request, SamplingParams
+
+AppendFn = Callable[[BlockManager, int, list[int]], list[tuple[int, int]]]
+CacheOpsFn = Callable[[object, SchedulerOutput], None]
+
+
+_THIS = sys.modules[__name__]   # handed to capstone_checks, which cannot import this module
 
 
 def tiny_spec(model: TinyLlama) -> cap.ModelSpec:
@@ -34,47 +51,15 @@ def tiny_spec(model: TinyLlama) -> cap.ModelSpec:
                          params, dtype_bytes=4, param_bytes=4.0)
 
 
-def pool_blocks(budget_bytes: int, block_size: int, num_layers: int, num_kv_heads: int,
-                head_dim: int, dtype_bytes: int) -> int:
-    """Reference: blocks of ``block_size`` tokens (K and V, every layer) in ``budget_bytes``."""
-    spec = cap.ModelSpec("x", num_layers, num_kv_heads, num_kv_heads, head_dim, 1,
-                         dtype_bytes=dtype_bytes)
-    return cap.num_gpu_blocks(budget_bytes, cap.block_bytes(spec, block_size))
+def plug_append(bm: BlockManager, append: AppendFn) -> None:
+    """Route every append of ``bm`` through ``append(bm, seq_id, token_ids)``: the decode
+    call takes its general path (room check, then ``append_slots`` per sequence)."""
+    bm.append_slots = lambda seq_id, token_ids: append(bm, seq_id, list(token_ids))
+    bm.append_decode = bm._append_general
 
 
-def check_pool_blocks(fn: Callable[[int, int, int, int, int, int], int]) -> Verdict:
-    cases = [(1 << 20, 16, 4, 2, 32, 4), (0, 16, 4, 2, 32, 4), (32767, 16, 4, 2, 32, 4),
-             (32768, 16, 4, 2, 32, 4), (8 << 30, 16, 32, 8, 128, 2), (10 ** 9, 1, 80, 8, 128, 2),
-             (123456789, 256, 61, 1, 576, 1), (5000, 4, 2, 1, 8, 2)]
-    return check("11.1 pool_blocks", fn, pool_blocks, cases)
-
-
-@dataclass
-class MiniEngine:
-    """What a step needs: the scheduler (with its block manager), the model, the caches."""
-
-    sched: Scheduler
-    model: TinyLlama
-    gpu_caches: list
-    cpu_caches: list
-
-    @staticmethod
-    def build(model: TinyLlama, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-              mode: str) -> MiniEngine:
-        sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
-                                          max_model_len=model.config.max_position,
-                                          preemption_mode=mode),
-                          CacheConfig(block_size, num_gpu_blocks, num_cpu_blocks))
-        cpu = allocate_kv_caches(model.config, num_cpu_blocks, block_size) \
-            if num_cpu_blocks else []
-        return MiniEngine(sched, model, allocate_kv_caches(model.config, num_gpu_blocks,
-                                                           block_size), cpu)
-
-
-@torch.no_grad()
-def mini_step(eng: MiniEngine) -> list[Request]:
-    """Reference: one greedy engine step; returns the requests finished in it."""
-    out = eng.sched.schedule()
+def library_cache_ops(eng: MiniEngine, out: SchedulerOutput) -> None:
+    """Reference of 11.2: swap-out, then swap-in, then the copy-on-write copies, every layer."""
     for pairs, src, dst in ((out.blocks_to_swap_out, eng.gpu_caches, eng.cpu_caches),
                             (out.blocks_to_swap_in, eng.cpu_caches, eng.gpu_caches)):
         if pairs:
@@ -85,6 +70,42 @@ def mini_step(eng: MiniEngine) -> list[Request]:
     if out.blocks_to_copy:
         for k, v in eng.gpu_caches:
             copy_blocks_ref(k, v, torch.tensor(out.blocks_to_copy))
+
+
+@dataclass
+class MiniEngine:
+    """What a step needs: the scheduler (with its block manager), the model, the caches
+    (``gpu_caches``, ``cpu_caches``: one ``(key, value)`` pair per layer, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``), and the cache operations to run."""
+
+    sched: Scheduler
+    model: TinyLlama
+    gpu_caches: list
+    cpu_caches: list
+    cache_ops: CacheOpsFn = library_cache_ops
+
+    @staticmethod
+    def build(model: TinyLlama, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+              mode: str, append: AppendFn | None = None,
+              cache_ops: CacheOpsFn = library_cache_ops) -> MiniEngine:
+        sched = Scheduler(SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
+                                          max_model_len=model.config.max_position,
+                                          preemption_mode=mode),
+                          CacheConfig(block_size, num_gpu_blocks, num_cpu_blocks))
+        if append is not None:
+            plug_append(sched.block_manager, append)
+        cpu = allocate_kv_caches(model.config, num_cpu_blocks, block_size) \
+            if num_cpu_blocks else []
+        return MiniEngine(sched, model, allocate_kv_caches(model.config, num_gpu_blocks,
+                                                           block_size), cpu, cache_ops)
+
+
+@torch.no_grad()
+def mini_step(eng: MiniEngine) -> list[Request]:
+    """One greedy engine step (``eng.cache_ops`` then the forward); returns the requests
+    finished in it."""
+    out = eng.sched.schedule()
+    eng.cache_ops(eng, out)
     samples = {}
     if out.scheduled:
         bs = eng.sched.cache_config.block_size
@@ -110,10 +131,14 @@ def mini_step(eng: MiniEngine) -> list[Request]:
 
 def run_loop(step: Callable[[MiniEngine], list[Request]], model: TinyLlama,
              prompts: list[list[int]], max_tokens: int, n: int, block_size: int,
-             num_gpu_blocks: int, num_cpu_blocks: int, mode: str,
-             max_steps: int = 2000) -> list[list[list[int]]]:
-    """Run ``step`` until every prompt is done; the tokens of each sample of each prompt."""
-    eng = MiniEngine.build(model, block_size, num_gpu_blocks, num_cpu_blocks, mode)
+             num_gpu_blocks: int, num_cpu_blocks: int, mode: str, max_steps: int = 2000,
+             append: AppendFn | None = None, cache_ops: CacheOpsFn = library_cache_ops,
+             on_step: Callable[[MiniEngine, list[Request]], None] | None = None
+             ) -> list[list[list[int]]]:
+    """Run ``step`` until every prompt is done; the tokens of each sample of each prompt.
+    ``on_step(eng, requests)`` is called after every step."""
+    eng = MiniEngine.build(model, block_size, num_gpu_blocks, num_cpu_blocks, mode, append,
+                           cache_ops)
     reqs = [eng.sched.add_request(i, p, SamplingParams(max_tokens=max_tokens, n=n,
                                                        temperature=0.0))
             for i, p in enumerate(prompts)]
@@ -121,6 +146,8 @@ def run_loop(step: Callable[[MiniEngine], list[Request]], model: TinyLlama,
         if not eng.sched.has_unfinished_requests():
             break
         step(eng)
+        if on_step is not None:
+            on_step(eng, reqs)
     else:
         raise RuntimeError(f"not done after {max_steps} steps")
     eng.sched.check_invariants()
@@ -131,19 +158,83 @@ def run_loop(step: Callable[[MiniEngine], list[Request]], model: TinyLlama,
 
 WORKLOADS = [  # prompts, max_tokens, n, block_size, gpu blocks, cpu blocks, preemption
     (["And God said"], 12, 1, 4, 32, 0, "recompute"),
-    (["And God said", "Jesus wept. And", "In the beginning"], 20, 1, 16, 32, 0, "recompute"),
     (["And God said unto Moses, I"], 10, 3, 4, 32, 0, "recompute"),     # fork + CoW
     (["And God said", "Blessed are the", "The LORD is my"], 40, 1, 4, 20, 40, "swap"),
     (["And God said", "Blessed are the", "The LORD is my"], 40, 1, 4, 20, 0, "recompute"),
     (["And the", "For God so loved"], 24, 2, 4, 24, 48, "swap"),
+    (["Jesus wept. And", "And God said", "In the beginning God"], 16, 3, 4, 20, 64, "swap"),
 ]
 
 
-def check_mini_step(fn: Callable[[MiniEngine], list[Request]], model: TinyLlama) -> Verdict:
-    """Runs ``fn`` as the step of a loop on each workload of :data:`WORKLOADS`."""
-    from course_lib.model import ByteTokenizer
+@functools.cache
+def tiny_model() -> TinyLlama:
+    """The course's tiny model, loaded once for the checkers."""
+    from course_lib.model import load_tiny_model
 
-    tok = ByteTokenizer()
-    cases = [([tok.encode(p) for p in w[0]], *w[1:]) for w in WORKLOADS]
-    return check("11.2 mini_step", lambda *c: run_loop(fn, model, *c),
-                 lambda *c: run_loop(mini_step, model, *c), cases)
+    return load_tiny_model()
+
+
+def check_append_slots(fn: AppendFn, model: TinyLlama | None = None) -> Verdict:
+    """11.1: every workload with ``fn`` as the block manager's append, step by step against
+    the library (tokens, free GPU blocks, copies asked, the manager's invariants)."""
+    return checks.compare_runs("11.1 append_slots", model or tiny_model(), _THIS, append=fn)
+
+
+def check_cache_ops(fn: CacheOpsFn, model: TinyLlama | None = None) -> Verdict:
+    """11.2: cache states where the order of the operations matters, then every workload
+    with ``fn`` as the step's cache operations, step by step against the library."""
+    small = checks.order_cases("11.2 cache_ops", fn, library_cache_ops)
+    if not small.attempted:
+        return small
+    runs = checks.compare_runs("11.2 cache_ops", model or tiny_model(), _THIS, cache_ops=fn)
+    problem = runs.first_problem
+    if small.first_problem:
+        problem = (f"{problem}; on a small cache: " if problem else "") + small.first_problem
+    return Verdict("11.2 cache_ops", small.passed + runs.passed, small.total + runs.total,
+                   problem)
+
+
+def check_capstone(append: AppendFn, cache_ops: CacheOpsFn,
+                   model: TinyLlama | None = None) -> Verdict:
+    """Both of yours in the engine at once, token for token."""
+    return checks.compare_runs("11 capstone", model or tiny_model(), _THIS, append=append,
+                               cache_ops=cache_ops)
+
+
+EXERCISES = Exercises(
+    Exercise("11.1", "append_slots with copy-on-write", check_append_slots, hints=(
+        "Read the table (bm.get_table(seq_id)); change its block list through "
+        "table.writable_blocks(), never table.blocks directly. n = len(table.token_ids) "
+        "tokens already have a slot.",
+        "Copy first, then grow: the last block is copied only if it is partial (n % "
+        "block_size != 0) and shared (bm.gpu.ref_counts[last] > 1): take bm.gpu.allocate() "
+        "in its place, bm.gpu.release([old]) and report (old, new). Then append fresh blocks "
+        "until len(blocks) * block_size >= n + len(token_ids), and extend token_ids.",
+        "Exercise 5.3 wrote the same rule on a toy; compare with BlockManager.append_slots "
+        "in course_lib/memory/manager.py (and its fast path, DecodePath.append_decode, in "
+        "course_lib/memory/decode.py).",
+    ), solution=solutions.append_slots, wrong=checks.WRONG_APPENDS,
+        trivial=(lambda *a: None, lambda *a: [])),
+    Exercise("11.2", "the step's cache operations", check_cache_ops, hints=(
+        "One layer at a time: key, value = eng.gpu_caches[layer]; block b is key[b] (all its "
+        "slots and heads). Moving a block is an assignment, dst[d] = src[s]; do keys and "
+        "values alike.",
+        "Order: swap-out first (the GPU blocks it empties may already be the destination of "
+        "a swap-in or a copy in this same step), then swap-in (a copy may read a block that "
+        "just came back), then the copies.",
+        "Read ModelRunner.execute_cache_ops in course_lib/engine/model_runner.py and "
+        "swap_blocks / copy_blocks in course_lib/kernels/cache_ops.py.",
+    ), solution=solutions.cache_ops, wrong=checks.WRONG_CACHE_OPS,
+        trivial=(lambda *a: None,)),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))
+

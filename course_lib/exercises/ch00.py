@@ -1,0 +1,250 @@
+"""Chapter 00 exercises: two Triton kernels, masked over a length that is not a multiple of the
+block.
+
+The learner writes a ``@triton.jit`` kernel and the function that launches it. Each checker
+hands that function its inputs as the first ``n`` elements of a longer buffer whose tail holds
+NaN (+inf for a maximum, which skips NaN): what a lane past the end would read; and an output
+that is the head of a buffer whose tail holds a sentinel, which a lane past the end would
+overwrite. It runs the edge cases, then
+random lengths from a fixed seed, and names the first element that differs and the likely cause.
+
+Under ``torch-reference`` there is no Triton: an unsolved stub is still reported as not
+attempted, and anything else is told to run on a Triton backend.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from course_lib.device import BACKEND
+from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises.solutions import ch00 as solutions
+
+SENTINEL = -999.0   # the output buffer's tail: a store past the end overwrites it
+PAD = 256           # elements of NaN / sentinel after the inputs / the output
+
+
+def no_triton_verdict(exercise: str, total: int) -> Verdict:
+    """What a Triton exercise says where Triton does not run (``torch-reference``)."""
+    return Verdict(exercise, 0, total, first_problem=(
+        f"this backend ({BACKEND.name}) runs no Triton, so your kernel cannot run here; "
+        "start Jupyter with COURSE_BACKEND=triton-interpreter (or on a GPU) to check it"))
+
+
+def padded(values: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view, buffer)``: ``values`` as the head of a buffer with ``PAD`` elements of ``fill``."""
+    buf = torch.full((values.numel() + PAD,), fill, dtype=values.dtype)
+    buf[:values.numel()] = values
+    buf = buf.to(BACKEND.device)
+    return buf[:values.numel()], buf
+
+
+def run_cases(exercise: str, learner: Callable, cases: list, judge: Callable) -> Verdict:
+    """``judge(learner, case) -> problem or None`` for each case; the verdict counts them."""
+    passed, first = 0, None
+    for i, case in enumerate(cases):
+        try:
+            problem = judge(learner, case)
+        except NotImplementedError:
+            return Verdict(exercise, 0, len(cases), attempted=False)
+        except Exception as exc:  # a learner's bug is a verdict
+            if not BACKEND.uses_triton:
+                return no_triton_verdict(exercise, len(cases))
+            problem = f"{case_text(case)}: raised {type(exc).__name__}: {exc}"
+        if i == 0 and not BACKEND.uses_triton:
+            return no_triton_verdict(exercise, len(cases))
+        if problem is None:
+            passed += 1
+        elif first is None:
+            first = problem
+    return Verdict(exercise, passed, len(cases), first)
+
+
+def case_text(case: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in case[-1].items())
+
+
+def _lengths(seed: int) -> list[tuple[int, int]]:
+    """(n, block_size): one element, under a block, exact multiples, one past, then random."""
+    rng = random.Random(seed)
+    fixed = [(1, 4), (3, 4), (4, 4), (5, 4), (10, 4), (16, 16), (17, 16), (100, 32), (257, 64),
+             (1000, 128)]
+    return fixed + [(rng.randrange(1, 600), 2 ** rng.randrange(2, 8)) for _ in range(10)]
+
+
+# ------------------------------------------------------------------ 0.1 leaky ReLU
+def leaky_relu_cases() -> list[tuple]:
+    gen = torch.Generator().manual_seed(1)
+    cases = []
+    for j, (n, bs) in enumerate(_lengths(2)):
+        alpha = (0.1, 0.01, 0.5)[j % 3]
+        cases.append((torch.randn(n, generator=gen) * 3, dict(n=n, block_size=bs, alpha=alpha)))
+    return cases
+
+
+def _judge_leaky_relu(learner: Callable, case: tuple) -> str | None:
+    values, meta = case
+    n, bs, alpha = meta["n"], meta["block_size"], meta["alpha"]
+    x, _ = padded(values, float("nan"))
+    out, out_buf = padded(torch.full((n,), float("nan")), SENTINEL)
+    learner(x, out, alpha, bs)
+    want = torch.where(values > 0, values, alpha * values)
+    got, tail = out.cpu(), out_buf[n:].cpu()
+    where = f"n={n}, block_size={bs}"
+    if not torch.equal(x.cpu(), values):
+        return f"{where}: the kernel changed x (store into out_ptr, not x_ptr)"
+    if (tail != SENTINEL).any():
+        count = int((tail != SENTINEL).sum())
+        return (f"{where}: {count} element(s) after out[{n - 1}] were overwritten: a lane past "
+                "the end stored; mask the store with offsets < n")
+    unwritten = got.isnan().nonzero().flatten().tolist()
+    if unwritten:
+        i = unwritten[0]
+        cause = ("was the kernel launched?" if len(unwritten) == n else
+                 f"no program covers the last, partial block: the grid needs ceil(n / "
+                 f"block_size) = {-(-n // bs)} program(s)" if i >= (n // bs) * bs else
+                 "no program wrote it")
+        return f"{where}: out[{i}] was never written ({len(unwritten)} such); {cause}"
+    if not torch.allclose(got, want):
+        i = int((got - want).abs().argmax())
+        return (f"{where}, alpha={alpha}: out[{i}] = {got[i].item():.4f} for x[{i}] = "
+                f"{values[i].item():.4f}; the library gives {want[i].item():.4f}")
+    return None
+
+
+def check_leaky_relu(fn: Callable) -> Verdict:
+    """Exercise 0.1: ``leaky_relu(x, out, alpha, block_size)`` writes ``out[i] = x[i]`` where
+    ``x[i] > 0``, else ``alpha * x[i]``, for the ``n = x.numel()`` elements, and nothing else."""
+    return run_cases("0.1 leaky_relu", fn, leaky_relu_cases(), _judge_leaky_relu)
+
+
+# ------------------------------------------------------------------ 0.2 block maxima
+def block_max_cases() -> list[tuple]:
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for n, bs in _lengths(4):
+        values = torch.randn(n, generator=gen) * 2
+        if n % bs:                          # a last, partial block of negative numbers only
+            values[(n // bs) * bs:] = -1 - values[(n // bs) * bs:].abs()
+        cases.append((values, dict(n=n, block_size=bs)))
+    return cases
+
+
+def _judge_block_max(learner: Callable, case: tuple) -> str | None:
+    values, meta = case
+    n, bs = meta["n"], meta["block_size"]
+    programs = -(-n // bs)
+    x, _ = padded(values, float("inf"))    # NaN would not show: tl.max skips NaN
+    out, out_buf = padded(torch.full((programs,), float("nan")), SENTINEL)
+    learner(x, out, bs)
+    padded_values = torch.cat([values, torch.full((programs * bs - n,), float("-inf"))])
+    want = padded_values.view(programs, bs).max(dim=1).values
+    got, tail = out.cpu(), out_buf[programs:].cpu()
+    where = f"n={n}, block_size={bs}"
+    if (tail != SENTINEL).any():
+        return (f"{where}: out has {programs} elements (one per block) and something was "
+                f"stored after out[{programs - 1}]: store one value per program, at out_ptr + pid")
+    if got.isnan().any():
+        b = int(got.isnan().nonzero()[0])
+        return f"{where}: out[{b}] was never written: one program per block, each storing once"
+    if (got == float("inf")).any():
+        b = int((got == float("inf")).nonzero()[0])
+        lo, hi = b * bs, min(n, (b + 1) * bs) - 1
+        return (f"{where}: block {b} (x[{lo}..{hi}]) gives inf: its lanes past n were read "
+                f"(the buffer after x holds inf there): load with mask=offsets < n")
+    if not torch.allclose(got, want):
+        b = int((got - want).abs().argmax())
+        lo, hi = b * bs, min(n, (b + 1) * bs) - 1
+        cause = (" (every element of that block is negative: the masked-off lanes must load "
+                 "-inf, other=float('-inf'), so that they never win the max)"
+                 if got[b].item() == 0.0 and want[b].item() < 0 else "")
+        return (f"{where}: block {b} (x[{lo}..{hi}]): got {got[b].item():.4f}, the library "
+                f"gives {want[b].item():.4f}{cause}")
+    return None
+
+
+def check_block_max(fn: Callable) -> Verdict:
+    """Exercise 0.2: ``block_max(x, out, block_size)`` writes, for each block of ``block_size``
+    elements of ``x`` (the last one partial), its maximum into ``out[block]``."""
+    return run_cases("0.2 block_max", fn, block_max_cases(), _judge_block_max)
+
+
+# ------------------------------------------------------------------ plausible wrong answers
+if BACKEND.uses_triton:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _leaky_unmasked_store(x_ptr, out_ptr, n, alpha, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(x_ptr + offsets, mask=offsets < n)
+        tl.store(out_ptr + offsets, tl.where(x > 0, x, alpha * x))   # no mask
+
+    @triton.jit
+    def _max_other_zero(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)     # 0 can win the max
+        tl.store(out_ptr + tl.program_id(0), tl.max(x, axis=0))
+
+    @triton.jit
+    def _max_unmasked(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(x_ptr + offsets)                                  # reads past n
+        tl.store(out_ptr + tl.program_id(0), tl.max(x, axis=0))
+
+
+def _leaky_floor_grid(x, out, alpha, block_size):
+    """Wrong: n // block_size programs, so the last, partial block is skipped."""
+    n = x.numel()
+    solutions.leaky_relu_kernel[(max(1, n // block_size),)](x, out, n, alpha,
+                                                            BLOCK_SIZE=block_size)
+
+
+def _leaky_no_store_mask(x, out, alpha, block_size):
+    n = x.numel()
+    _leaky_unmasked_store[(-(-n // block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
+
+
+def _max_zero_lanes(x, out, block_size):
+    _max_other_zero[(out.numel(),)](x, out, x.numel(), BLOCK_SIZE=block_size)
+
+
+def _max_no_mask(x, out, block_size):
+    _max_unmasked[(out.numel(),)](x, out, x.numel(), BLOCK_SIZE=block_size)
+
+
+EXERCISES = Exercises(
+    Exercise("0.1", "a masked elementwise kernel", check_leaky_relu, hints=(
+        "Copy the shape of _add_kernel (the source is in course_lib/kernels/smoke.py): "
+        "tl.program_id(0) says which block this program owns, offsets = pid * BLOCK_SIZE + "
+        "tl.arange(0, BLOCK_SIZE) are its lanes.",
+        "tl.where(x > 0, x, alpha * x) is the elementwise choice. The lanes with offsets >= n "
+        "must neither load nor store: pass mask=offsets < n to tl.load and tl.store.",
+        "Launch with leaky_relu_kernel[grid](x, out, n, alpha, BLOCK_SIZE=block_size) where "
+        "grid = ((n + block_size - 1) // block_size,): the ceiling, or the last, partial block "
+        "has no program. smoke.num_programs is the course's version.",
+    ), solution=solutions.leaky_relu, wrong=(_leaky_floor_grid, _leaky_no_store_mask),
+        needs_triton=True),
+    Exercise("0.2", "maximum of each block", check_block_max, hints=(
+        "One program per block again, and one value out per program: tl.max(x, axis=0) "
+        "reduces the block's lanes to a scalar, stored at out_ptr + pid.",
+        "A masked-off lane must lose the max: tl.load(..., mask=offsets < n, other=...) "
+        "fills it with `other`. What value can never be the maximum? (0.0 can.)",
+        "other=float('-inf'). Chapter 04's decode kernel starts its running maximum the same "
+        "way: read m_i in course_lib/kernels/paged_decode.py once this passes.",
+    ), solution=solutions.block_max, wrong=(_max_zero_lanes, _max_no_mask),
+        needs_triton=True),
+)
+
+
+def hint(number: str, level: int | None = None) -> None:
+    """Print the next hint of exercise ``number`` (``level``: a given one)."""
+    print(EXERCISES.hint(number, level))
+
+
+def solution(number: str) -> None:
+    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
+    print(EXERCISES.solution(number))

@@ -1,0 +1,68 @@
+"""Solutions of chapter 07's exercises."""
+
+from __future__ import annotations
+
+
+def prefill_chunks(prompt_len, max_num_batched_tokens, num_decoding):
+    chunks, left = [], prompt_len
+    while left > 0:
+        chunks.append(min(left, max_num_batched_tokens - num_decoding))  # decodes go first
+        left -= chunks[-1]
+    return chunks
+
+
+def pick_victim(requests):
+    request_id, _ = max(requests, key=lambda r: (r[1], r[0]))   # latest arrival, then larger id
+    return request_id
+
+
+def cheaper_preemption(num_tokens, block_size, kv_bytes_per_token, s_per_token):
+    import math
+
+    num_blocks = -(-num_tokens // block_size)                    # swap moves whole blocks
+    one_way = (num_blocks * block_size * kv_bytes_per_token / 20e9
+               + num_blocks * 2 * 32 * 4e-6)                     # bytes + one copy per K/V layer
+    recompute, swap = num_tokens * s_per_token, 2 * one_way      # out, and back in
+    if recompute < swap or math.isclose(recompute, swap, rel_tol=1e-9):
+        return "recompute"
+    return "swap"
+
+
+def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
+                  max_num_batched_tokens):
+    def blocks(tokens):
+        return -(-tokens // block_size)
+
+    running = [list(r) for r in running]         # [request_id, num_tokens, num_computed]
+    free, budget = num_free_blocks, max_num_batched_tokens
+    scheduled, preempted = [], []
+    i = 0
+    while i < len(running) and budget > 0:       # 1. running requests, in order
+        rid, n, computed = running[i]
+        num_new = min(n - computed, budget)
+        need = blocks(computed + num_new) - blocks(computed)
+        while need > free:                       # short: preempt the last running request
+            victim = running.pop()
+            free += blocks(victim[2])
+            preempted.append(victim[0])
+            if victim[0] == rid:
+                break
+        if preempted and preempted[-1] == rid:
+            break
+        free -= need
+        budget -= num_new
+        scheduled.append((rid, num_new))
+        i += 1
+    if not preempted:                            # 2. waiting requests, if nobody was preempted
+        num_running = len(running)
+        for rid, n in waiting:
+            if budget == 0 or num_running == max_num_seqs:
+                break
+            num_new = min(n, budget)             # chunked prefill: what the budget allows
+            if blocks(num_new) > free:
+                break                            # first come, first served: no skipping
+            free -= blocks(num_new)
+            budget -= num_new
+            num_running += 1
+            scheduled.append((rid, num_new))
+    return scheduled, preempted

@@ -1,0 +1,34 @@
+"""Solutions of chapter 10's exercises."""
+
+from __future__ import annotations
+
+import math
+
+
+def flatten_step(entries):
+    positions, sample_rows = [], []
+    for num_tokens, num_computed, num_new in entries:
+        start = len(positions)
+        positions += range(num_computed, num_computed + num_new)
+        done = num_computed + num_new == num_tokens      # the chunk reaches the last token
+        sample_rows.append(start + num_new - 1 if done else None)
+    return positions, sample_rows
+
+
+def beam_step(beams, logits, width):
+    candidates = []
+    for parent, ((tokens, score), row) in enumerate(zip(beams, logits, strict=True)):
+        top = max(row)
+        lse = top + math.log(sum(math.exp(x - top) for x in row))
+        for token, x in enumerate(row):
+            candidates.append((score + x - lse, tokens + [token], parent))
+    candidates.sort(key=lambda c: (-c[0], c[1]))          # best first; ties: smaller tokens
+    return [(tokens, score, parent) for score, tokens, parent in candidates[:width]]
+
+
+def sharing_saving(tables):
+    entries = sum(len(t) for t in tables)
+    if entries == 0:
+        return 0.0
+    distinct = len({b for t in tables for b in t})
+    return 1 - distinct / entries

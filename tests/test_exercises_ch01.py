@@ -1,0 +1,50 @@
+"""Chapter 01's exercises: what the checkers accept and what they say, beyond
+tests/test_exercises.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.exercises import ch01
+
+pytestmark = pytest.mark.ch01
+
+
+def vectorised(x, Wq, Wk, Wv, num_heads, num_kv_heads):
+    """A correct answer written another way: all steps at once, under a causal mask."""
+    n, d = len(x), Wq.shape[1] // num_heads
+    q = (x @ Wq).view(n, num_heads, d).transpose(0, 1)
+    k, v = (x @ Wk).view(n, num_kv_heads, d), (x @ Wv).view(n, num_kv_heads, d)
+    g = num_heads // num_kv_heads
+    kk, vv = (t.repeat_interleave(g, dim=1).transpose(0, 1) for t in (k, v))
+    scores = q @ kk.transpose(1, 2) / d ** 0.5 + torch.full((n, n), float("-inf")).triu(1)
+    out = (torch.softmax(scores, -1) @ vv).transpose(0, 1).reshape(n, num_heads * d)
+    return out, k, v
+
+
+def test_gqa_checker_accepts_any_correct_answer():
+    assert ch01.check_gqa_decode(vectorised).ok
+
+
+def test_gqa_checker_names_the_mistake():
+    round_robin, future = ch01.EXERCISES["1.2"].wrong
+    assert "h // (num_heads // num_kv_heads)" in ch01.check_gqa_decode(round_robin).first_problem
+    assert "only the cache as it is" in ch01.check_gqa_decode(future).first_problem
+
+    def cache_per_query_head(x, Wq, Wk, Wv, num_heads, num_kv_heads):
+        out, k, v = vectorised(x, Wq, Wk, Wv, num_heads, num_kv_heads)
+        g = num_heads // num_kv_heads
+        return out, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+
+    verdict = ch01.check_gqa_decode(cache_per_query_head)
+    assert "per KV head (not per query head)" in verdict.first_problem
+
+
+def test_config_cases_leave_keys_out_as_real_configs_do():
+    cases = ch01.config_cases()
+    assert any("num_key_value_heads" not in c for c, _ in cases)
+    assert any(c.get("head_dim", 0) is None for c, _ in cases)
+    assert any(c.get("kv_lora_rank") and tp > 1 for c, tp in cases)
+    assert any(tp > (c.get("num_key_value_heads") or 0) and not c.get("kv_lora_rank")
+               for c, tp in cases)

@@ -1,0 +1,58 @@
+"""Chapter 07's exercises: 7.3 decides near the crossover and on exact ties, 7.1 accepts a
+tuple, 7.4's feedback names the scheduling rule that was broken."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from course_lib.exercises import ch07
+from course_lib.sim.replay import CostModel
+
+pytestmark = pytest.mark.ch07
+
+
+def test_7_3_has_exact_ties_and_cases_on_both_sides_of_the_crossover():
+    for bs, kv in ((16, 524_288), (8, 524_288), (32, 131_072)):
+        tie = ch07.tie_s_per_token(bs, kv)
+        cm = CostModel(s_per_token=tie, kv_bytes_per_token=kv)
+        assert math.isclose(cm.recompute_time(10 * bs), 2 * cm.swap_time(10, bs), rel_tol=1e-12)
+        assert ch07.cheaper_preemption(10 * bs, bs, kv, tie) == "recompute"
+        assert ch07.cheaper_preemption(10 * bs, bs, kv, 1.03 * tie) == "swap"
+        assert ch07.cheaper_preemption(10 * bs, bs, kv, 0.97 * tie) == "recompute"
+
+
+@pytest.mark.parametrize("wrong", ["_swap_forgets_the_way_back", "_tie_goes_to_swap",
+                                   "_swap_fractional_blocks"])
+def test_7_3_catches_the_wrong_answers_that_used_to_pass(wrong):
+    v = ch07.check_cheaper_preemption(getattr(ch07, wrong))
+    assert v.attempted and not v.ok and v.first_problem
+
+
+def test_7_1_accepts_a_tuple_and_names_a_real_difference():
+    from course_lib.exercises.solutions.ch07 import prefill_chunks
+
+    assert ch07.check_prefill_chunks(lambda *a: tuple(prefill_chunks(*a))).ok
+    v = ch07.check_prefill_chunks(lambda p, b, d: tuple(prefill_chunks(p, b, 0)))
+    assert "returned (16, 16, 16, 2), the library returns [13, 13, 13, 11]" in v.first_problem
+
+
+def test_7_4_feedback_names_the_rule():
+    v = ch07.check_schedule_step(ch07._admits_after_preempting)
+    assert "nobody joins in a step that preempted" in v.first_problem
+    v = ch07.check_schedule_step(ch07._preempts_the_one_that_needs)
+    assert "the *last* running request" in v.first_problem
+    v = ch07.check_schedule_step(ch07._no_chunked_prefill)
+    assert "chunked prefill" in v.first_problem
+    assert "expected a pair" in ch07.check_schedule_step(lambda *a: None).first_problem
+
+
+def test_7_4_cases_preempt_chunk_and_stop_for_each_reason():
+    decisions = [ch07.schedule_step(*c) for c in ch07.schedule_cases()]
+    assert sum(bool(p) for _, p in decisions) >= 10
+    assert any(p and p[-1] not in [rid for rid, _ in s] and not s for s, p in decisions)
+    cases = ch07.schedule_cases()
+    waiting_chunks = [(rid, n) for c, (s, _) in zip(cases, decisions, strict=True)
+                      for rid, n in s if n < dict(c[1]).get(rid, 0)]
+    assert len(waiting_chunks) >= 5

@@ -1,0 +1,76 @@
+"""Chapter 11's capstone checkers: an order-of-operations mistake fails and says where.
+
+The generic checks (solution passes, stubs, wrong and do-nothing answers fail) are in
+``tests/test_exercises.py``; here, what each failure says, and that the workloads really
+contain the steps where the order matters.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from course_lib.exercises import capstone_checks as checks
+from course_lib.exercises import ch11
+from course_lib.exercises.solutions import ch11 as solutions
+
+pytestmark = pytest.mark.ch11
+torch.set_num_threads(1)
+SWAP_IN_FIRST, COPIES_FIRST, KEYS_ONLY = checks.WRONG_CACHE_OPS
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ch11.tiny_model()
+
+
+def test_swap_in_before_swap_out_fails_and_names_the_order(model):
+    v = ch11.check_cache_ops(SWAP_IN_FIRST, model)
+    assert not v.ok
+    assert "swap out [(2, 0)], swap in [(1, 2)]" in v.first_problem
+    assert "swap-in, then swap-out" in v.first_problem
+
+
+def test_copies_before_swaps_fail_at_the_step_where_tokens_diverge(model):
+    v = ch11.check_cache_ops(COPIES_FIRST, model)
+    assert not v.ok
+    m = re.search(r"workload \d \(.*\), step \d+: request \d, sample \d: token \d+ is",
+                  v.first_problem)
+    assert m, v.first_problem
+    assert "this step swapped in" in v.first_problem and "copied" in v.first_problem
+    assert "copies" in v.first_problem.split("on a small cache:")[1]
+
+
+def test_the_workloads_contain_steps_where_the_order_matters(model):
+    """A copy of a block swapped in the same step: copies first must change the tokens."""
+    runs = checks.compare_runs("x", model, ch11, cache_ops=COPIES_FIRST)
+    assert runs.passed < len(ch11.WORKLOADS)
+
+
+def test_a_forgotten_value_cache_is_named(model):
+    v = ch11.check_cache_ops(KEYS_ONLY, model)
+    assert "values" in v.first_problem and "step" in v.first_problem
+
+
+def test_append_mistakes_name_the_step_and_the_state(model):
+    no_cow, leak, full = checks.WRONG_APPENDS
+    problem = ch11.check_append_slots(no_cow, model).first_problem
+    assert "step 1: the scheduler was told to copy" in problem
+    assert "ref counts" in ch11.check_append_slots(leak, model).first_problem
+    assert not ch11.check_append_slots(full, model).ok
+
+
+def test_the_capstone_passes_with_both_solutions_and_fails_with_either_wrong(model):
+    assert ch11.check_capstone(solutions.append_slots, solutions.cache_ops, model).ok
+    assert not ch11.check_capstone(checks.WRONG_APPENDS[0], solutions.cache_ops, model).ok
+    assert not ch11.check_capstone(solutions.append_slots, COPIES_FIRST, model).ok
+    stub = ch11.check_capstone(lambda *a: (_ for _ in ()).throw(NotImplementedError),
+                               solutions.cache_ops, model)
+    assert "not attempted yet" in str(stub)
+
+
+def test_tags_say_where_a_block_came_from():
+    assert checks._origin(1000 + 100 + 3) == "GPU block 3's old contents"
+    assert checks._origin(100 + 50 + 2) == "CPU block 2's old contents"
