@@ -131,9 +131,70 @@ class Exercises:
                 f" (hint({number!r}) again for the next one)")
         return f"hint {level}/{len(ex.hints)} for {number}{more}: {ex.hints[level - 1]}"
 
+    def print_hint(self, number: str, level: int | None = None) -> None:
+        """Print the next hint of exercise ``number`` (``level``: a given one): a chapter's
+        ``chNN.hint``."""
+        print(self.hint(number, level))
+
+    def print_solution(self, number: str) -> None:
+        """Print a solution of exercise ``number`` (try first: the hints come before it): a
+        chapter's ``chNN.solution``."""
+        print(self.solution(number))
+
     def solution(self, number: str) -> str:
         """The solution of exercise ``number``, as source code."""
         import inspect
         import textwrap
 
         return textwrap.dedent(inspect.getsource(self[number].solution))
+
+
+def op_text(op: tuple) -> str:
+    """An operation ``("name", arg, ...)`` as a call: ``name(arg, ...)``."""
+    return f"{op[0]}({', '.join(map(repr, op[1:]))})"
+
+
+def replay_ops(name: str, cases: Sequence[tuple], learner: type, reference: type,
+               outcome: Callable[[Any, tuple, list[tuple], int], Any],
+               explain: Callable[[tuple, list[tuple], int, Any, Any], str]) -> Verdict:
+    """The checker of the exercises where a learner writes a stateful class (3.3's model).
+
+    Each case is ``(*setup, ops)``: ``learner(*setup)`` and ``reference(*setup)`` run the same
+    operations; after operation ``i``, ``outcome(obj, setup, ops, i)`` (which applies it and
+    observes the state) must be equal for both. A case stops at its first difference; the
+    first one found is told by ``explain(setup, ops, i, got, want)``. A learner's exception is
+    an outcome (``"raises Type: message"``), ``NotImplementedError`` means not attempted."""
+    passed, problem = 0, None
+    for *setup, ops in cases:
+        try:
+            mine = learner(*setup)
+        except NotImplementedError:
+            return Verdict(name, 0, len(cases), attempted=False)
+        ref = reference(*setup)
+        for i in range(len(ops)):
+            want = outcome(ref, tuple(setup), ops, i)
+            try:
+                got = outcome(mine, tuple(setup), ops, i)
+            except NotImplementedError:
+                return Verdict(name, 0, len(cases), attempted=False)
+            except Exception as exc:   # a learner's bug is a verdict, not a crash
+                got = f"raises {type(exc).__name__}: {exc}"
+            if got != want:
+                problem = problem or explain(tuple(setup), ops, i, got, want)
+                break
+        else:
+            passed += 1
+    return Verdict(name, passed, len(cases), problem)
+
+
+def pool_history(difference: Callable[[Any, Any], str]
+                 ) -> Callable[[tuple, list[tuple], int, Any, Any], str]:
+    """An ``explain`` for :func:`replay_ops` whose setup is ``(num_blocks, block_size)``: the
+    whole history up to the operation that differed, then ``difference(got, want)`` in words
+    (or the learner's exception)."""
+    def explain(setup: tuple, ops: list[tuple], i: int, got: Any, want: Any) -> str:
+        what = got if isinstance(got, str) else difference(got, want)
+        before = ", ".join(map(op_text, ops[:i])) or "nothing"
+        return (f"pool of {setup[0]} blocks of {setup[1]}, after {before}: "
+                f"op {i} {op_text(ops[i])} {what}")
+    return explain

@@ -240,11 +240,5 @@ EXERCISES = Exercises(
 )
 
 
-def hint(number: str, level: int | None = None) -> None:
-    """Print the next hint of exercise ``number`` (``level``: a given one)."""
-    print(EXERCISES.hint(number, level))
-
-
-def solution(number: str) -> None:
-    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
-    print(EXERCISES.solution(number))
+hint = EXERCISES.print_hint            # ch00.hint("N.M"): the next graded hint
+solution = EXERCISES.print_solution    # ch00.solution("N.M"): a solution's code

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises import Exercise, Exercises, Verdict, op_text, replay_ops
 from course_lib.exercises.solutions import ch03 as solutions
 from course_lib.memory import BlockAllocator, BlockTable, cdiv
 
@@ -160,34 +160,19 @@ def allocator_cases(seed: int = 5, count: int = 30) -> list[tuple[int, list[tupl
     return cases
 
 
+def _allocator_problem(setup: tuple, ops: list[tuple], i: int, got: str, want: str) -> str:
+    op = ops[i]
+    call = "allocate()" if op[0] == "allocate" else f"free({op[1]})"
+    return f"pool of {setup[0]}, after {ops[max(0, i - 4):i]} (op {i}): {call} {got}; " \
+        f"the library {want}"
+
+
 def check_allocator(toy_class: type) -> Verdict:
     """Run the same op sequences on ``toy_class(num_blocks)`` and the reference; compare the
     outcome of every op (returned id and ``num_free``, or that it raised)."""
-    cases = allocator_cases()
-    passed, problem = 0, None
-    for n, ops in cases:
-        try:
-            toy = toy_class(n)
-        except NotImplementedError:
-            return Verdict("3.3 free-list allocator", 0, len(cases), attempted=False)
-        ref = ReferenceAllocator(n)
-        for i, op in enumerate(ops):
-            try:
-                got = _outcome(toy, op)
-            except NotImplementedError:
-                return Verdict("3.3 free-list allocator", 0, len(cases), attempted=False)
-            except Exception as exc:   # a learner's bug is a verdict
-                got = f"raises {type(exc).__name__}: {exc}"
-            want = _outcome(ref, op)
-            if got != want:
-                if problem is None:
-                    call = "allocate()" if op[0] == "allocate" else f"free({op[1]})"
-                    problem = (f"pool of {n}, after {ops[max(0, i - 4):i]} "
-                               f"(op {i}): {call} {got}; the library {want}")
-                break
-        else:
-            passed += 1
-    return Verdict("3.3 free-list allocator", passed, len(cases), problem)
+    return replay_ops("3.3 free-list allocator", allocator_cases(), toy_class,
+                      ReferenceAllocator, lambda obj, setup, ops, i: _outcome(obj, ops[i]),
+                      _allocator_problem)
 
 
 class ReferenceManager:
@@ -288,39 +273,19 @@ def obj_size(obj) -> int:
     return getattr(obj, "num_blocks", None) or len(obj.pool.ref_counts)
 
 
-def _op_text(op: tuple) -> str:
-    return f"{op[0]}({', '.join(map(repr, op[1:]))})"
+def _manager_problem(geo: tuple, ops: list[tuple], i: int, got: str, want: str) -> str:
+    history = ", ".join(map(op_text, ops[max(0, i - 4):i])) or "nothing"
+    return (f"pool of {geo[0]} blocks of {geo[1]} tokens, watermark {geo[2]}, after {history} "
+            f"(op {i}): {op_text(ops[i])} {got}; the library "
+            f"{want}{_manager_concept(ops[i], got, want)}")
 
 
 def check_manager(manager_class: type) -> Verdict:
     """Run the op sequences on ``manager_class(num_blocks, block_size, watermark_blocks)`` and
     the reference; compare what every op returns, ``num_free`` and each table's length."""
-    cases = manager_cases()
-    passed, problem = 0, None
-    for geo, ops in cases:
-        ref = ReferenceManager(*geo)
-        try:
-            toy = manager_class(*geo)
-        except NotImplementedError:
-            return Verdict("3.1 block manager", 0, len(cases), attempted=False)
-        for i, op in enumerate(ops):
-            try:
-                got = _manager_outcome(toy, op)
-            except NotImplementedError:
-                return Verdict("3.1 block manager", 0, len(cases), attempted=False)
-            except Exception as exc:   # a learner's bug is a verdict
-                got = f"raises {type(exc).__name__}: {exc}"
-            want = _manager_outcome(ref, op)
-            if got != want:
-                if problem is None:
-                    history = ", ".join(map(_op_text, ops[max(0, i - 4):i])) or "nothing"
-                    problem = (f"pool of {geo[0]} blocks of {geo[1]} tokens, watermark "
-                               f"{geo[2]}, after {history} (op {i}): {_op_text(op)} {got}; "
-                               f"the library {want}{_manager_concept(op, got, want)}")
-                break
-        else:
-            passed += 1
-    return Verdict("3.1 block manager", passed, len(cases), problem)
+    return replay_ops("3.1 block manager", [(*geo, ops) for geo, ops in manager_cases()],
+                      manager_class, ReferenceManager,
+                      lambda obj, geo, ops, i: _manager_outcome(obj, ops[i]), _manager_problem)
 
 
 def _manager_concept(op: tuple, got: str, want: str) -> str:
@@ -458,11 +423,5 @@ EXERCISES = Exercises(
 )
 
 
-def hint(number: str, level: int | None = None) -> None:
-    """Print the next hint of exercise ``number`` (``level``: a given one)."""
-    print(EXERCISES.hint(number, level))
-
-
-def solution(number: str) -> None:
-    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
-    print(EXERCISES.solution(number))
+hint = EXERCISES.print_hint            # ch03.hint("N.M"): the next graded hint
+solution = EXERCISES.print_solution    # ch03.solution("N.M"): a solution's code

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, check, pool_history, replay_ops
 from course_lib.exercises.solutions import ch05 as solutions
 from course_lib.memory import BlockManager
 from course_lib.scheduler import Scheduler
@@ -108,10 +108,6 @@ class ReferenceCow:
         return self.m.ref_count(block)
 
 
-def _call(op: tuple) -> str:
-    return f"{op[0]}({', '.join(map(str, op[1:]))})"
-
-
 def cow_cases(seed: int = 10, count: int = 30) -> list[tuple[int, int, list[tuple]]]:
     """(num_blocks, block_size, ops); ops are ("allocate", seq, num_tokens), ("fork", parent,
     child), ("append", seq), ("free", seq), always valid and always with a free block."""
@@ -179,43 +175,28 @@ def _difference(got: tuple, want: tuple) -> str:
             f"points at a block counts once; a copy or a free drops one reference)")
 
 
+def _live(ops: list[tuple], i: int) -> list[int]:
+    """The sequences alive after operations ``0..i``."""
+    live: list[int] = []
+    for op in ops[:i + 1]:
+        if op[0] in ("allocate", "fork"):
+            live.append(op[1] if op[0] == "allocate" else op[2])
+        elif op[0] == "free":
+            live.remove(op[1])
+    return live
+
+
+def _cow_outcome(obj, setup: tuple, ops: list[tuple], i: int) -> tuple:
+    """Apply operation ``i``; what it returned, every live table and every ref count."""
+    ret = getattr(obj, ops[i][0])(*ops[i][1:])
+    return (tuple(ret) if isinstance(ret, list) else ret, *_state(obj, _live(ops, i), setup[0]))
+
+
 def check_cow_manager(cls: type) -> Verdict:
     """Run the same operations on ``cls(num_blocks, block_size)`` and on the library; after
     every operation compare what it returned, every live block table and every ref count."""
-    name = "5.3 CowManager"
-    cases = cow_cases()
-    passed, problem = 0, None
-    for n, bs, ops in cases:
-        ref, live = ReferenceCow(n, bs), []
-        try:
-            mine = cls(n, bs)
-        except NotImplementedError:
-            return Verdict(name, 0, len(cases), attempted=False)
-        for i, op in enumerate(ops):
-            want_ret = getattr(ref, op[0])(*op[1:])
-            if op[0] in ("allocate", "fork"):
-                live.append(op[1] if op[0] == "allocate" else op[2])
-            elif op[0] == "free":
-                live.remove(op[1])
-            try:
-                got_ret = getattr(mine, op[0])(*op[1:])
-                got_ret = tuple(got_ret) if isinstance(got_ret, list) else got_ret
-                got = (got_ret, *_state(mine, live, n))
-            except NotImplementedError:
-                return Verdict(name, 0, len(cases), attempted=False)
-            except Exception as exc:   # a learner's bug is a verdict
-                got = f"raised {type(exc).__name__}: {exc}"
-            want = (want_ret, *_state(ref, live, n))
-            if got != want:
-                if problem is None:
-                    what = got if isinstance(got, str) else _difference(got, want)
-                    before = ", ".join(map(_call, ops[:i])) or "nothing"
-                    problem = (f"pool of {n} blocks of {bs}, after {before}: "
-                               f"op {i} {_call(op)} {what}")
-                break
-        else:
-            passed += 1
-    return Verdict(name, passed, len(cases), problem)
+    return replay_ops("5.3 CowManager", cow_cases(), cls, ReferenceCow, _cow_outcome,
+                      pool_history(_difference))
 
 
 class CowCount(NamedTuple):
@@ -358,11 +339,5 @@ EXERCISES = Exercises(
 )
 
 
-def hint(number: str, level: int | None = None) -> None:
-    """Print the next hint of exercise ``number`` (``level``: a given one)."""
-    print(EXERCISES.hint(number, level))
-
-
-def solution(number: str) -> None:
-    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
-    print(EXERCISES.solution(number))
+hint = EXERCISES.print_hint            # ch05.hint("N.M"): the next graded hint
+solution = EXERCISES.print_solution    # ch05.solution("N.M"): a solution's code

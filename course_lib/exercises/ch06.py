@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, check, pool_history, replay_ops
 from course_lib.exercises.solutions import ch06 as solutions
 from course_lib.memory import BlockAllocator, BlockManager
 from course_lib.sim.replay import replay
@@ -125,10 +125,6 @@ def pool_cases(seed: int = 9, count: int = 30) -> list[tuple[int, int, list[tupl
     return cases
 
 
-def _call(op: tuple) -> str:
-    return f"{op[0]}({', '.join(map(str, op[1:]))})"
-
-
 def _difference(got: tuple, want: tuple) -> str:
     (g_ret, g_table, g_lru), (w_ret, w_table, w_lru) = got, want
     if g_ret != w_ret:
@@ -142,40 +138,19 @@ def _difference(got: tuple, want: tuple) -> str:
             f"again, it is freed)")
 
 
+def _pool_outcome(obj, setup: tuple, ops: list[tuple], i: int) -> tuple:
+    """Apply operation ``i``; what it returned, the request's table (after a run), the LRU."""
+    op = ops[i]
+    ret = getattr(obj, op[0])(*op[1:])
+    return (ret, list(obj.block_table(op[1])) if op[0] == "run" else None,
+            list(obj.lru_order()))
+
+
 def check_prefix_pool(cls: type) -> Verdict:
     """Run the same operations on ``cls(num_blocks, block_size)`` and the library; after each,
     compare what it returned, the request's block table (after a run) and the LRU order."""
-    name = "6.2 PrefixPool"
-    cases = pool_cases()
-    passed, problem = 0, None
-    for n, bs, ops in cases:
-        ref = ReferencePool(n, bs)
-        try:
-            mine = cls(n, bs)
-        except NotImplementedError:
-            return Verdict(name, 0, len(cases), attempted=False)
-        for i, op in enumerate(ops):
-            want_ret = getattr(ref, op[0])(*op[1:])
-            want = (want_ret, ref.block_table(op[1]) if op[0] == "run" else None,
-                    ref.lru_order())
-            try:
-                got_ret = getattr(mine, op[0])(*op[1:])
-                got = (got_ret, list(mine.block_table(op[1])) if op[0] == "run" else None,
-                       list(mine.lru_order()))
-            except NotImplementedError:
-                return Verdict(name, 0, len(cases), attempted=False)
-            except Exception as exc:   # a learner's bug is a verdict
-                got = f"raised {type(exc).__name__}: {exc}"
-            if got != want:
-                if problem is None:
-                    what = got if isinstance(got, str) else _difference(got, want)
-                    before = ", ".join(map(_call, ops[:i])) or "nothing"
-                    problem = (f"pool of {n} blocks of {bs}, after {before}: "
-                               f"op {i} {_call(op)} {what}")
-                break
-        else:
-            passed += 1
-    return Verdict(name, passed, len(cases), problem)
+    return replay_ops("6.2 PrefixPool", pool_cases(), cls, ReferencePool, _pool_outcome,
+                      pool_history(_difference))
 
 
 class CacheTTFT(NamedTuple):
@@ -296,11 +271,5 @@ EXERCISES = Exercises(
 )
 
 
-def hint(number: str, level: int | None = None) -> None:
-    """Print the next hint of exercise ``number`` (``level``: a given one)."""
-    print(EXERCISES.hint(number, level))
-
-
-def solution(number: str) -> None:
-    """Print a solution of exercise ``number`` (try first: the hints come before it)."""
-    print(EXERCISES.solution(number))
+hint = EXERCISES.print_hint            # ch06.hint("N.M"): the next graded hint
+solution = EXERCISES.print_solution    # ch06.solution("N.M"): a solution's code
