@@ -1,132 +1,52 @@
-"""How much KV cache fits: bytes per token and per block, and the block pool vLLM builds.
+"""How much KV cache fits on one GPU: a model's bytes per token and block on one rank, the memory
+budget and the block pool vLLM builds from it, concurrency and context-parallel capacity.
 
 Pure integer arithmetic, no torch, so a notebook can answer "how many tokens fit?" before it
 owns a GPU. Every memory figure is per GPU (per rank), as vLLM computes it on each worker.
-Units are binary, as in vLLM: GiB = 1024**3 bytes. Names follow vLLM (block_size,
-num_gpu_blocks, gpu_memory_utilization, swap_space, tensor_parallel_size).
+Names follow vLLM (block_size, num_gpu_blocks, gpu_memory_utilization, swap_space,
+tensor_parallel_size). Built on ``course_lib.sizing`` (units and checks, ``ModelSpec`` and the
+presets, model-free block counting), whose names it re-exports: ``capacity.X`` names them all.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from course_lib.sizing.blocks import (
+    check_block_size,
+    expected_internal_waste_tokens,
+    max_internal_waste_tokens,
+    num_blocks_for_tokens,
+    num_cpu_blocks,
+    num_full_blocks,
+    num_gpu_blocks,
+    paged_utilization,
+    static_utilization,
+    tokens_that_fit,
+)
+from course_lib.sizing.models import PRESETS, ModelSpec, get_preset, verify_max_model_len
+from course_lib.sizing.units import (
+    H200_MEMORY_GIB,
+    GiB,
+    KiB,
+    MiB,
+    _check_int,
+    _check_nonneg,
+    format_bytes,
+)
 
-# Total memory of one GPU as nvidia-smi reports it, in GiB: what vLLM's gpu_memory_utilization
-# multiplies (torch.cuda.mem_get_info's total). A datasheet's "141 GB" is near this GiB figure;
-# read as decimal GB it would be 131.3 GiB, 9 GiB short.
-H200_MEMORY_GIB = 143_771 / 1024          # H200 SXM: 143,771 MiB = 140.4 GiB
-
-
-def _check_int(name: str, value: int, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-
-
-def check_block_size(block_size: int) -> None:
-    """Raise unless block_size is a power of two in [1, 256]: block tables and kernels assume it."""
-    if (isinstance(block_size, bool) or not isinstance(block_size, int)
-            or not 1 <= block_size <= 256 or block_size & (block_size - 1)):
-        raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The few numbers of a decoder that decide its KV-cache and weight memory.
-
-    MHA: num_kv_heads == num_attention_heads. GQA: fewer KV heads, each shared by a group of
-    query heads. MLA (DeepSeek-V2/V3): per token and layer the cache holds one compressed
-    latent of kv_lora_rank values plus one shared RoPE key of qk_rope_head_dim values, for
-    all heads together; num_kv_heads must be 1 and head_dim is the per-head query/value
-    width, which the cache never stores. dtype_bytes is the KV-cache element size (vLLM's
-    kv_cache_dtype="auto" takes the model dtype); param_bytes is bytes per weight (1 for FP8).
-    num_params is approximate: it only sizes the weights. max_position_embeddings is the
-    longest context the model was built for (config.json's field; vLLM's default
-    max_model_len), 0 when unknown.
-    """
-
-    name: str
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_params: int
-    dtype_bytes: int = 2
-    param_bytes: float = 2.0
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    max_position_embeddings: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-                     "num_params", "dtype_bytes"):
-            _check_int(name, getattr(self, name), 1)
-        for name in ("kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings"):
-            _check_int(name, getattr(self, name), 0)
-        if not self.param_bytes > 0:
-            raise ValueError(f"param_bytes must be > 0, got {self.param_bytes!r}")
-        if self.is_mla:
-            if self.num_kv_heads != 1:
-                raise ValueError("an MLA model caches one latent per token, so num_kv_heads "
-                                 f"must be 1, got {self.num_kv_heads}")
-        elif self.qk_rope_head_dim:
-            raise ValueError("qk_rope_head_dim is an MLA field: set kv_lora_rank > 0 too, "
-                             f"got kv_lora_rank=0, qk_rope_head_dim={self.qk_rope_head_dim}")
-        elif self.num_attention_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a "
-                             f"multiple of num_kv_heads={self.num_kv_heads}")
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def attention_type(self) -> str:
-        if self.is_mla:
-            return "MLA"
-        if self.num_kv_heads == self.num_attention_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
-
-    @property
-    def weight_bytes(self) -> int:
-        """Memory of all weights on one device (before any parallel split)."""
-        return round(self.num_params * self.param_bytes)
-
-
-PRESETS: dict[str, ModelSpec] = {s.name.lower(): s for s in (
-    ModelSpec("Llama-2-7B", 32, 32, 32, 128, num_params=6_738_415_616,
-              max_position_embeddings=4096),
-    ModelSpec("Llama-2-70B", 80, 64, 8, 128, num_params=68_976_648_192,
-              max_position_embeddings=4096),
-    ModelSpec("Llama-3-8B", 32, 32, 8, 128, num_params=8_030_261_248,
-              max_position_embeddings=8192),
-    ModelSpec("Llama-3-70B", 80, 64, 8, 128, num_params=70_553_706_496,
-              max_position_embeddings=8192),
-    ModelSpec("Qwen2.5-7B", 28, 28, 4, 128, num_params=7_615_616_512,
-              max_position_embeddings=131_072),
-    # Released in FP8 (1 B/weight); vLLM caches the 512 + 64 latent in BF16 (2 B).
-    ModelSpec("DeepSeek-V3", 61, 128, 1, 128, num_params=671_000_000_000, param_bytes=1.0,
-              kv_lora_rank=512, qk_rope_head_dim=64, max_position_embeddings=163_840),
-)}
-
-
-def get_preset(name: str) -> ModelSpec:
-    """The preset called name (case-insensitive)."""
-    try:
-        return PRESETS[name.lower()]
-    except KeyError:
-        known = ", ".join(s.name for s in PRESETS.values())
-        raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
+__all__ = [  # re-exported from course_lib.sizing, then defined here
+    "GiB", "H200_MEMORY_GIB", "KiB", "MiB", "format_bytes", "PRESETS", "ModelSpec", "get_preset",
+    "verify_max_model_len", "check_block_size", "expected_internal_waste_tokens",
+    "max_internal_waste_tokens", "num_blocks_for_tokens", "num_cpu_blocks", "num_full_blocks",
+    "num_gpu_blocks", "paged_utilization", "static_utilization", "tokens_that_fit",
+    "kv_heads_per_rank", "kv_bytes_per_token_per_layer", "kv_bytes_per_token",
+    "k_block_bytes_per_layer", "block_bytes_per_layer", "block_bytes", "contiguous_kv_bytes",
+    "paged_kv_bytes", "blocks_with_shared_prefix", "available_kv_bytes", "max_concurrency",
+    "context_parallel_capacity", "DecodeCommBytes", "decode_comm_bytes", "KVBudget",
+    "plan_kv_cache",
+]
 
 
 def _valid_tp_sizes(spec: ModelSpec) -> list[int]:
@@ -199,20 +119,6 @@ def block_bytes(spec: ModelSpec, block_size: int = 16, tensor_parallel_size: int
     return spec.num_layers * block_bytes_per_layer(spec, block_size, tensor_parallel_size)
 
 
-def num_blocks_for_tokens(num_tokens: int, block_size: int = 16) -> int:
-    """Blocks a sequence of num_tokens occupies: ceil(num_tokens / block_size)."""
-    _check_int("num_tokens", num_tokens, 0)
-    check_block_size(block_size)
-    return -(-num_tokens // block_size)
-
-
-def num_full_blocks(num_tokens: int, block_size: int = 16) -> int:
-    """Full blocks in num_tokens: only these can be shared by prefix caching (hash per block)."""
-    _check_int("num_tokens", num_tokens, 0)
-    check_block_size(block_size)
-    return num_tokens // block_size
-
-
 def contiguous_kv_bytes(spec: ModelSpec, num_tokens: int, tensor_parallel_size: int = 1) -> int:
     """Exact cache bytes of num_tokens tokens, as one contiguous tensor would hold them."""
     _check_int("num_tokens", num_tokens, 0)
@@ -240,36 +146,6 @@ def blocks_with_shared_prefix(num_requests: int, num_tokens: int, shared_prefix_
     shared = num_full_blocks(shared_prefix_len, block_size)
     private = num_blocks_for_tokens(num_tokens, block_size) - shared
     return (shared if num_requests else 0) + num_requests * private
-
-
-def static_utilization(used_tokens: Iterable[int], max_seq_len: int) -> float:
-    """Used / reserved slots when every request reserves max_seq_len contiguous slots."""
-    used = [int(n) for n in used_tokens]
-    _check_int("max_seq_len", max_seq_len, 1)
-    if not used or any(not 0 <= n <= max_seq_len for n in used):
-        raise ValueError(f"used_tokens must be non-empty, each in [0, {max_seq_len}], got {used}")
-    return sum(used) / (len(used) * max_seq_len)
-
-
-def paged_utilization(used_tokens: Iterable[int], block_size: int = 16) -> float:
-    """Used / reserved slots when every request holds ceil(used / block_size) blocks."""
-    used = [int(n) for n in used_tokens]
-    slots = sum(num_blocks_for_tokens(n, block_size) * block_size for n in used)
-    if slots == 0:
-        raise ValueError(f"used_tokens must hold at least one token, got {used}")
-    return sum(used) / slots
-
-
-def max_internal_waste_tokens(block_size: int) -> int:
-    """Worst-case empty slots in a sequence's last block: block_size - 1."""
-    check_block_size(block_size)
-    return block_size - 1
-
-
-def expected_internal_waste_tokens(block_size: int) -> float:
-    """Mean empty slots in the last block when lengths mod block_size are uniform."""
-    check_block_size(block_size)
-    return (block_size - 1) / 2
 
 
 def available_kv_bytes(total_gpu_memory_bytes: int, gpu_memory_utilization: float,
@@ -301,20 +177,6 @@ def available_kv_bytes(total_gpu_memory_bytes: int, gpu_memory_utilization: floa
     return available
 
 
-def num_gpu_blocks(available_kv_bytes: int, block_bytes: int) -> int:
-    """Blocks in the pool: floor(available_kv_bytes / block_bytes); the remainder is unused."""
-    _check_int("available_kv_bytes", available_kv_bytes, 0)
-    _check_int("block_bytes", block_bytes, 1)
-    return available_kv_bytes // block_bytes
-
-
-def tokens_that_fit(num_blocks: int, block_size: int = 16) -> int:
-    """Token slots in num_blocks blocks (vLLM logs this as 'GPU KV cache size: N tokens')."""
-    _check_int("num_blocks", num_blocks, 0)
-    check_block_size(block_size)
-    return num_blocks * block_size
-
-
 def max_concurrency(num_gpu_blocks: int, block_size: int, max_model_len: int) -> float:
     """How many requests of max_model_len tokens the pool holds at once.
 
@@ -335,36 +197,6 @@ def context_parallel_capacity(num_gpu_blocks: int, block_size: int,
     """
     _check_int("context_parallel_size", context_parallel_size, 1)
     return tokens_that_fit(num_gpu_blocks, block_size) * context_parallel_size
-
-
-def verify_max_model_len(spec: ModelSpec, max_model_len: int | None = None, *,
-                         allow_long_max_model_len: bool = False) -> int:
-    """The max_model_len vLLM would run spec with, or ValueError where vLLM refuses to start.
-
-    As ``_get_and_verify_max_len`` in vLLM 0.33.0's ``vllm/config/model.py``: None means the
-    model's own length (max_position_embeddings); a longer request is refused unless the
-    environment variable VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (allow_long_max_model_len),
-    since positions the model never saw break its attention (NaNs with RoPE). When the preset
-    does not know its length (0), vLLM assumes 2048 for None and trusts any explicit value.
-    """
-    if max_model_len is None:
-        return spec.max_position_embeddings or 2048
-    _check_int("max_model_len", max_model_len, 1)
-    limit = spec.max_position_embeddings
-    if limit and max_model_len > limit and not allow_long_max_model_len:
-        raise ValueError(
-            f"max_model_len={max_model_len:,} is longer than {spec.name}'s "
-            f"max_position_embeddings={limit:,}: vLLM refuses to start unless "
-            f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set (positions past {limit:,} were never "
-            "trained: NaNs with RoPE)")
-    return max_model_len
-
-
-def num_cpu_blocks(swap_space: float, block_bytes: int) -> int:
-    """CPU swap blocks per GPU: swap_space (GiB per GPU, vLLM's unit) // block_bytes."""
-    _check_nonneg("swap_space", swap_space)
-    _check_int("block_bytes", block_bytes, 1)
-    return round(swap_space * GiB) // block_bytes
 
 
 @dataclass(frozen=True)
@@ -488,16 +320,3 @@ def plan_kv_cache(spec: ModelSpec, total_gpu_memory_gib: float, *,
     return KVBudget(spec, total, gpu_memory_utilization, weights, act, over, block_size,
                     tensor_parallel_size, context_parallel_size, round(swap_space * GiB),
                     avail, blk, num_gpu_blocks(avail, blk), num_cpu_blocks(swap_space, blk))
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Binary units, at most two decimals: 512 B, 640.0 KiB, 1.25 GiB, 5.0 MiB."""
-    sign, value = ("-" if num_bytes < 0 else ""), abs(num_bytes)
-    if value < KiB:
-        return f"{sign}{value:g} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    text = f"{value:.2f}".rstrip("0")
-    return f"{sign}{text}0 {unit}" if text.endswith(".") else f"{sign}{text} {unit}"

@@ -35,19 +35,34 @@ def test_ch01_references_on_known_models():
     assert ch01.reference_kv_bytes_from_config(mha, 1) == 524_288          # Llama-2-7B
     v3 = ch01.config_of(p["deepseek-v3"])
     assert ch01.reference_kv_bytes_from_config(v3, 8) == 61 * 576 * 2
-    assert ch01.reference_tokens_that_fit(80, 327_680) == 262_144
-    assert ch01.reference_tokens_that_fit(2, 3) == 715_827_882  # 715,827,882.67 floored
+    llama3_8b = ch01.batch_cases()[0][0]
+    assert ch01.reference_num_params(llama3_8b) == 8_030_261_248
+    # (80 GiB - 16,060,522,496 B of weights) // (131,072 B x 2,000 tokens) = 266.4
+    assert ch01.reference_max_batch_size(llama3_8b, 80, 1000, 1000) == 266
 
 
 def test_ch01_checkers_pass_the_library_solution():
     for check, ref in ((ch01.check_kv_bytes_from_config, ch01.reference_kv_bytes_from_config),
-                       (ch01.check_tokens_that_fit, ch01.reference_tokens_that_fit)):
+                       (ch01.check_max_batch_size, ch01.reference_max_batch_size)):
         verdict = check(ref)
         assert verdict.ok and verdict.total >= 7, verdict
 
 
 def test_ch01_checkers_accept_a_plain_correct_solution():
-    assert ch01.check_tokens_that_fit(lambda g, b: math.floor(g * 2**30 / b)).ok
+    def by_matrices(config, gib, prompt_len, output_len):
+        h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+        q = config["num_attention_heads"] * (config.get("head_dim") or
+                                             h // config["num_attention_heads"])
+        kv = q // config["num_attention_heads"] * (config.get("num_key_value_heads")
+                                                   or config["num_attention_heads"])
+        layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]
+        params = v * h * (1 if config.get("tie_word_embeddings") else 2) + h + \
+            config["num_hidden_layers"] * sum(layer)
+        free = math.floor(gib * 2**30 + 0.5) - params * ch01.DTYPE_BYTES[config["torch_dtype"]]
+        per_request = ch01.reference_kv_bytes_from_config(config, 1) * (prompt_len + output_len)
+        return max(0, free // per_request)
+
+    assert ch01.check_max_batch_size(by_matrices).ok
 
 
 def no_defaults(config, tp):
@@ -59,9 +74,10 @@ def no_defaults(config, tp):
 @pytest.mark.parametrize("check, wrong, why", [
     (ch01.check_kv_bytes_from_config, no_defaults, "MLA read as GQA, keys assumed present"),
     (ch01.check_kv_bytes_from_config, lambda c, tp: 0, "a constant"),
-    (ch01.check_tokens_that_fit, lambda g, b: round(g * 2**30 / b), "rounded instead of floor"),
-    (ch01.check_tokens_that_fit, lambda g, b: math.ceil(g * 2**30 / b), "rounded up"),
-    (ch01.check_tokens_that_fit, lambda g, b: int(g * 10**9 // b), "decimal GB"),
+    (ch01.check_max_batch_size, ch01.WRONG_IDEAS[0][0], "an MLP of two matrices"),
+    (ch01.check_max_batch_size, ch01.WRONG_IDEAS[3][0], "decimal GB"),
+    (ch01.check_max_batch_size, lambda c, g, p, o: math.ceil(
+        ch01.reference_max_batch_size(c, g + 1 / 2**30, p, o)), "one byte more"),
 ])
 def test_ch01_checkers_fail_wrong_solutions(check, wrong, why):
     verdict = check(wrong)
@@ -83,8 +99,8 @@ def test_ch01_missing_keys_are_named():
 
 def test_ch01_not_attempted_and_crashing_solutions():
     assert not ch01.check_kv_bytes_from_config(not_attempted).attempted
-    assert "not attempted" in str(ch01.check_tokens_that_fit(not_attempted))
-    verdict = ch01.check_tokens_that_fit(lambda g, b: 1 // 0)
+    assert "not attempted" in str(ch01.check_max_batch_size(not_attempted))
+    verdict = ch01.check_max_batch_size(lambda *a: 1 // 0)
     assert verdict.passed == 0 and "ZeroDivisionError" in str(verdict)
 
 
@@ -99,8 +115,9 @@ def test_ch08_references_on_article_cases():
     assert [ch08.reference_kv_heads_per_rank(8, tp) for tp in (1, 2, 8, 16)] == [8, 4, 1, 1]
     with pytest.raises(ValueError):
         ch08.reference_kv_heads_per_rank(8, 3)
-    assert ch08.reference_max_num_requests(100, 16, 20) == 50
-    assert ch08.reference_max_num_requests(3258, 16, 32_768) == 1
+    assert ch08.reference_max_num_requests(100, 16, [(20, 1)] * 60) == 50   # 2 blocks each
+    # two long requests peak at 3 + 3 blocks in steps 6..9, after the 12-token one has left
+    assert ch08.reference_max_num_requests(6, 4, [(3, 10), (3, 10), (12, 1)]) == 3
     llama70 = (80, 64, 8, 128, 70_553_706_496)          # 141 GB of 16-bit weights
     assert ch08.reference_smallest_tp(*llama70, 80, 8192, 1) == 2
     with pytest.raises(ValueError):
@@ -118,7 +135,6 @@ def test_ch08_checkers_pass_the_library_and_plain_solutions():
     assert ch08.check_kv_heads_per_rank(ch08.reference_kv_heads_per_rank).ok
     assert ch08.check_kv_heads_per_rank(right_kv_heads_per_rank).ok
     assert ch08.check_max_num_requests(ch08.reference_max_num_requests).ok
-    assert ch08.check_max_num_requests(lambda n, bs, L: n // -(-L // bs)).ok
 
 
 def always_raises(*args):
@@ -130,8 +146,8 @@ def always_raises(*args):
     (ch08.check_smallest_tp, lambda *a: 1, "always one GPU"),
     (ch08.check_kv_heads_per_rank, lambda h, tp: h // tp, "0 heads beyond num_kv_heads"),
     (ch08.check_kv_heads_per_rank, lambda h, tp: max(1, h // tp), "accepts TP that cannot split"),
-    (ch08.check_max_num_requests, lambda n, bs, L: n * bs // L, "counts tokens, not blocks"),
-    (ch08.check_max_num_requests, lambda n, bs, L: n // max(1, L // bs), "rounds blocks down"),
+    (ch08.check_max_num_requests, ch08._mix_tokens_not_blocks, "counts tokens, not blocks"),
+    (ch08.check_max_num_requests, ch08._reserve_final_size, "reserves the final size"),
 ])
 def test_ch08_checkers_fail_wrong_solutions(check, wrong, why):
     verdict = check(wrong)

@@ -101,18 +101,40 @@ def test_reference_allocator_rejects_without_changing_state():
     assert ref.num_free == 1 and ref.allocate() == 1
 
 
-def test_block_to_copy_checker():
-    assert ch05.block_to_copy(*ch05.cow_case(18, 4, 2)) == 4      # Block Manager tutorial §11.2
-    assert ch05.block_to_copy(*ch05.cow_case(16, 4, 2)) is None    # full: new block, no copy
-    assert ch05.block_to_copy(*ch05.cow_case(18, 4, 1)) is None    # not shared
+def test_beam_blocks_checker():
+    fork = ch05.BeamCase(7, 4, (), (0, 0))            # the page's first step: one copy
+    assert ch05.beam_args(fork) == ({0: [0, 1]}, 7, [0, 0], 4)
+    assert ch05.beam_blocks(fork) == ([], [1], 3)
+    assert ch05.beam_blocks(ch05.BeamCase(8, 4, (), (0, 0))) == ([], [], 4)   # full: no copy
 
-    def mine(table, n, refs, bs):
-        return table[-1] if n % bs and refs[table[-1]] > 1 else None
+    def mine(tables, n, picks, bs):
+        refs = {}
+        for t in tables.values():
+            for b in t:
+                refs[b] = refs.get(b, 0) + 1
+        freed = []
+        for beam, t in tables.items():
+            if beam not in picks:
+                for b in t:
+                    refs[b] -= 1
+                    freed += [b] if refs[b] == 0 else []
+        for beam in set(picks):
+            for b in tables[beam]:
+                refs[b] += picks.count(beam) - 1
+        copied = [] if n % bs == 0 else [
+            last for last in {tables[p][-1] for p in picks} for _ in range(refs[last] - 1)]
+        held = sum(r > 0 for r in refs.values()) + len(copied) + (len(picks) if n % bs == 0
+                                                                   else 0)
+        return freed, copied, held
 
-    assert ch05.check_block_to_copy(mine).ok
-    v = ch05.check_block_to_copy(lambda t, n, r, bs: t[-1] if r[t[-1]] > 1 else None)
-    assert not v.ok and "returned 3, the library returns None" in v.first_problem
-    assert not ch05.check_block_to_copy(not_done).attempted
+    assert ch05.check_beam_blocks(mine).ok
+    every_beam_copies, frees_whole_tables, _ = ch05.EXERCISES["5.1"].wrong
+    v = ch05.check_beam_blocks(every_beam_copies)
+    assert not v.ok and "picks [0, 0]: copied is [1, 1]" in v.first_problem
+    assert "k - 1 copies" in v.first_problem
+    v = ch05.check_beam_blocks(frees_whole_tables)
+    assert "freed is [0, 2], the library's manager [2]" in v.first_problem
+    assert not ch05.check_beam_blocks(not_done).attempted
 
 
 def test_blocks_held_checker():

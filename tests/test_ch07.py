@@ -30,12 +30,16 @@ def test_prefill_chunks_reference_and_a_learner_version():
     assert not wrong.ok and "first difference" in str(wrong)
 
 
-def test_pick_victim():
-    assert ch07.pick_victim([(0, 0.0), (1, 1.0), (2, 0.5)]) == 1
-    assert ch07.pick_victim([(5, 2.0), (3, 2.0)]) == 5
-    assert ch07.check_pick_victim(ch07.pick_victim).ok
-    wrong = ch07.check_pick_victim(lambda reqs: max(reqs, key=lambda r: r[1])[0])  # no tiebreak
-    assert not wrong.ok
+def test_v0_decode_step_reference_and_a_learner_version():
+    state = ([(0, 0.0, 8), (1, 1.0, 8), (2, 2.0, 8)], [], 1, 8, 4, "swap")
+    assert ch07.schedule_running_and_swapped(*state) == ([0, 1], [(2, "swap")], [])
+    assert ch07.schedule_running_and_swapped(*state[:5], "recompute") == (
+        [0, 1], [(2, "recompute")], [])
+    assert ch07.schedule_running_and_swapped([(0, 0.0, 5)], [(1, 1.0, 7)], 2, 0, 4, "swap") == (
+        [0], [], [1])                                      # 2 blocks, its token fits in them
+    assert ch07.check_schedule_running_and_swapped(ch07.schedule_running_and_swapped).ok
+    wrong = ch07.check_schedule_running_and_swapped(ch07.WRONG[0])
+    assert not wrong.ok and "first difference" in str(wrong)
 
 
 def test_cheaper_preemption():

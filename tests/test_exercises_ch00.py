@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib.device import BACKEND
-from course_lib.exercises import ch00
+from course_lib.exercises import ch00, launches
 
 pytestmark = pytest.mark.ch00
 needs_triton = pytest.mark.skipif(not BACKEND.uses_triton, reason="the kernels need Triton")
@@ -13,23 +13,52 @@ needs_triton = pytest.mark.skipif(not BACKEND.uses_triton, reason="the kernels n
 
 @needs_triton
 def test_the_floor_grid_is_told_to_use_the_ceiling():
-    (floor_grid, _) = ch00.EXERCISES["0.1"].wrong
+    floor_grid = ch00.EXERCISES["0.1"].wrong[0]
     verdict = ch00.check_leaky_relu(floor_grid)
     assert "ceil(n / block_size)" in verdict.first_problem and "never written" in str(verdict)
 
 
 @needs_triton
 def test_a_store_past_the_end_is_seen_in_the_sentinel():
-    (_, unmasked) = ch00.EXERCISES["0.1"].wrong
+    unmasked = ch00.EXERCISES["0.1"].wrong[1]
     verdict = ch00.check_leaky_relu(unmasked)
     assert "overwritten" in verdict.first_problem and "mask the store" in verdict.first_problem
 
 
 @needs_triton
 def test_block_max_names_other_and_the_mask():
-    zero_lanes, no_mask = ch00.EXERCISES["0.2"].wrong
+    zero_lanes, no_mask, _ = ch00.EXERCISES["0.2"].wrong
     assert "other=float('-inf')" in ch00.check_block_max(zero_lanes).first_problem
     assert "mask=offsets < n" in ch00.check_block_max(no_mask).first_problem
+
+
+@needs_triton
+def test_the_right_numbers_without_a_kernel_fail():
+    for number, check in (("0.1", ch00.check_leaky_relu), ("0.2", ch00.check_block_max)):
+        in_torch = ch00.EXERCISES[number].wrong[-1]
+        verdict = check(in_torch)
+        assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
+        assert "; and" not in verdict.first_problem          # every case's numbers were right
+
+
+def test_launches_are_recorded_only_inside_the_block():
+    from course_lib.kernels import smoke
+
+    if not BACKEND.uses_triton:
+        with launches.recorded() as kernels:
+            pass
+        assert kernels == []
+        return
+    x = __import__("torch").ones(5)
+    with launches.recorded() as kernels:
+        ch00.solutions.leaky_relu(x, x.clone(), 0.1, 4)
+        smoke.add(x, x)
+    assert ("course_lib.exercises.solutions.ch00", "leaky_relu_kernel") in kernels
+    assert [k for k in kernels if k[0] == "course_lib.kernels.smoke"]
+    assert launches.own(kernels) == [("course_lib.exercises.solutions.ch00", "leaky_relu_kernel")]
+    before = len(kernels)
+    ch00.solutions.leaky_relu(x, x.clone(), 0.1, 4)
+    assert len(kernels) == before                              # the spy is gone
 
 
 def test_cases_cover_the_edges():
@@ -43,7 +72,7 @@ def test_without_triton_a_stub_is_unattempted_and_an_answer_is_sent_elsewhere(mo
     class NoTriton:
         name, uses_triton, device = "torch-reference", False, "cpu"
 
-    monkeypatch.setattr(ch00, "BACKEND", NoTriton())
+    monkeypatch.setattr(launches, "BACKEND", NoTriton())
 
     def stub(*args):
         raise NotImplementedError

@@ -42,10 +42,10 @@ def test_the_decode_cases_include_the_edges():
 
 @needs_triton
 def test_wrong_kernels_are_told_the_idea_they_missed():
-    forgets_rescale, unmasked_v = ch04.EXERCISES["4.2"].wrong
+    forgets_rescale, unmasked_v, _ = ch04.EXERCISES["4.2"].wrong
     assert "exp(m - m_new)" in ch04.check_decode_one_head(forgets_rescale).first_problem
     assert "mask the K and V" in ch04.check_decode_one_head(unmasked_v).first_problem
-    logical, table_as_slot = ch04.EXERCISES["4.1"].wrong
+    logical, table_as_slot, _ = ch04.EXERCISES["4.1"].wrong
     for wrong in (logical, table_as_slot):
         assert "a slot the sequence does not own" in ch04.check_gather_kv(wrong).first_problem
 
@@ -56,17 +56,28 @@ def test_decode_names_a_missing_scale():
         k, v = ch04.reference.gather_kv(key_cache, value_cache, block_table, seq_len)
         return torch.softmax(k[:, 0].float() @ q.float(), 0) @ v[:, 0].float()
 
-    assert "1/sqrt(head_dim)" in ch04.check_decode_one_head(unscaled).first_problem
+    problem = ch04.check_decode_one_head(unscaled).first_problem
+    assert "launched no Triton kernel" in problem and "1/sqrt(head_dim)" in problem
+
+
+@needs_triton
+def test_torch_or_the_course_kernel_is_not_an_answer():
+    in_torch = ch04.EXERCISES["4.1"].wrong[-1]
+    verdict = ch04.check_gather_kv(in_torch)
+    assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
+    course = ch04.EXERCISES["4.2"].wrong[-1]
+    verdict = ch04.check_decode_one_head(course)
+    assert verdict.passed == 0 and "only the course's kernels" in verdict.first_problem
+    assert "course_lib.kernels.paged_decode" in verdict.first_problem
 
 
 def test_without_triton_a_stub_is_unattempted(monkeypatch):
     class NoTriton:
         name, uses_triton, device = "torch-reference", False, "cpu"
 
-    monkeypatch.setattr(ch04, "BACKEND", NoTriton())
-    from course_lib.exercises import ch00
+    from course_lib.exercises import launches
 
-    monkeypatch.setattr(ch00, "BACKEND", NoTriton())
+    monkeypatch.setattr(launches, "BACKEND", NoTriton())
 
     def stub(*args):
         raise NotImplementedError

@@ -1,11 +1,14 @@
-"""Exercise 5.3 (a copy-on-write manager): its checker replays the history of a failure and
-says which concept broke, and its cases reach every copy-on-write situation."""
+"""Chapter 05's checkers beyond the generic tests: 5.1's cases reach every situation of a beam
+step and its expected answers come from the manager; 5.2 refuses the page's ways of counting;
+5.3 (a copy-on-write manager) replays the history of a failure and says which concept broke,
+and its cases reach every copy-on-write situation."""
 
 from __future__ import annotations
 
 import pytest
 
-from course_lib.exercises import ch05
+from course_lib.exercises import ch05, ch05_beams
+from course_lib.exercises.solutions import ch05 as solutions
 from course_lib.exercises.solutions.ch05 import CowManager
 
 pytestmark = pytest.mark.ch05
@@ -40,3 +43,49 @@ def test_a_copy_returned_as_a_list_is_accepted():
             return None if copy is None else list(copy)
 
     assert ch05.check_cow_manager(ListCopies).ok
+
+
+def test_beam_cases_free_copy_open_blocks_and_reuse_freed_ones():
+    answers = [ch05.beam_blocks(c) for c in ch05.beam_cases()]
+    assert sum(bool(freed) for freed, _, _ in answers) >= 10
+    assert sum(len(copied) >= 2 for _, copied, _ in answers) >= 3     # k beams, k - 1 copies
+    full = [c for c in ch05.beam_cases() if (c.prompt_len + len(c.history)) % c.block_size == 0
+            and len(set(c.picks)) < len(c.picks)]
+    assert len(full) >= 3                        # forks at a full block: nothing to copy
+    # a block the dropped beams give back may be taken again by this step's appends: the
+    # answer still lists it as freed
+    reused = 0
+    for case in ch05.beam_cases():
+        m, beams, next_id = ch05_beams._replay(case)
+        _, _, freed, copies = ch05_beams._take_step(m, beams, case.picks, next_id)
+        after = {b for s in m.seq_ids() for b in m.get_block_table(s)}
+        reused += bool(set(freed) & after)
+    assert reused >= 3
+
+
+def test_the_beam_solution_matches_the_manager_and_dicts_of_any_order_pass():
+    for case in ch05.beam_cases():
+        got = solutions.beam_blocks(*ch05.beam_args(case))
+        assert (sorted(got[0]), sorted(got[1]), got[2]) == ch05.beam_blocks(case)
+
+    def reversed_lists(*args):
+        freed, copied, held = solutions.beam_blocks(*args)
+        return tuple(reversed(freed)), set(copied) if len(set(copied)) == len(copied) \
+            else copied, held
+
+    assert ch05.check_beam_blocks(reversed_lists).ok
+
+
+def test_blocks_held_refuses_the_pages_manager_and_formula():
+    from course_lib import capacity
+
+    def formula(n, prompt, gen, bs):
+        if gen == 0:
+            return -(-prompt // bs)
+        return capacity.blocks_with_shared_prefix(n, prompt + gen, prompt, bs)
+
+    v = ch05.check_blocks_held(formula)
+    assert not v.ok and "from the four lengths alone" in v.first_problem
+    held_after_sampling = ch05.EXERCISES["5.2"].wrong[-1]
+    assert "BlockManager" in ch05.check_blocks_held(held_after_sampling).first_problem
+    assert capacity.blocks_with_shared_prefix(2, 10, 8, 4) == 4       # restored afterwards

@@ -1,5 +1,6 @@
 """Chapter 07's exercises: 7.3 decides near the crossover and on exact ties, 7.1 accepts a
-tuple, 7.4's feedback names the scheduling rule that was broken."""
+tuple, 7.2's explanations replay the V0 scheduler and its feedback, like 7.4's, names the
+scheduling rule that was broken."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 
-from course_lib.exercises import ch07
+from course_lib.exercises import ch07, ch07_swap
 from course_lib.sim.replay import CostModel
 
 pytestmark = pytest.mark.ch07
@@ -56,3 +57,38 @@ def test_7_4_cases_preempt_chunk_and_stop_for_each_reason():
     waiting_chunks = [(rid, n) for c, (s, _) in zip(cases, decisions, strict=True)
                       for rid, n in s if n < dict(c[1]).get(rid, 0)]
     assert len(waiting_chunks) >= 5
+
+
+# ---------------------------------------------------------------- 7.2: one V0 decode step
+
+def test_7_2_explanations_replay_the_library_on_every_case():
+    for case in ch07.swap_cases():
+        (step, why) = ch07.explain_step(*case)
+        assert step == ch07.schedule_running_and_swapped(*case), case
+        assert len(why) >= len(step[1]) + len(step[2])     # a reason for every event
+
+
+def test_7_2_cases_reach_every_rule():
+    steps = [ch07.schedule_running_and_swapped(*c) for c in ch07.swap_cases()]
+    modes = [m for _, pre, _ in steps for _, m in pre]
+    assert modes.count("swap") >= 5 and modes.count("recompute") >= 5
+    assert sum(1 for c, (_, pre, _) in zip(ch07.swap_cases(), steps, strict=True)
+               if c[5] == "swap" and any(m == "recompute" for _, m in pre)) >= 2   # CPU full
+    assert sum(1 for dec, pre, _ in steps if pre and pre[-1][0] not in dec) >= 5   # itself
+    assert sum(1 for _, _, back in steps if back) >= 10
+    assert sum(1 for c, (_, _, back) in zip(ch07.swap_cases(), steps, strict=True)
+               if c[1] and len(back) < len(c[1])) >= 10                    # some stay out
+
+
+@pytest.mark.parametrize("wrong, words", [
+    ("_queue_order", "in order of arrival_time"),
+    ("_swap_without_cpu_room", "do not fit in the 1 free CPU blocks"),
+    ("_swap_in_forgets_the_new_token", "for the token it writes now do not fit"),
+    ("_needy_one_is_the_victim", "the last to arrive of those not served yet"),
+    ("_swap_in_after_preempting", "nobody comes back in a step that preempted"),
+])
+def test_7_2_feedback_names_the_rule(wrong, words):
+    v = ch07.check_schedule_running_and_swapped(getattr(ch07_swap, wrong))
+    assert not v.ok and words in v.first_problem, v.first_problem
+    assert "expected (decoded, preempted, swapped_in)" in \
+        ch07.check_schedule_running_and_swapped(lambda *a: None).first_problem

@@ -24,3 +24,53 @@ def test_answers_cover_every_regime():
 def test_wrong_searches_fail_on_the_case_made_for_them(wrong, case):
     v = ch08.check_smallest_tp(getattr(ch08, wrong))
     assert not v.ok and case in v.first_problem
+
+
+# ---------------------------------------------------------------- 8.3: a mix of lengths
+
+def runs_together(num_gpu_blocks: int, block_size: int, mix: list[tuple[int, int]]) -> bool:
+    """The V0 scheduler admits every request of ``mix`` in step 0 and runs them all to the end
+    without a preemption."""
+    from course_lib.config import CacheConfig, SchedulerConfig
+    from course_lib.scheduler import Scheduler
+    from course_lib.sequence import SamplingParams
+    from course_lib.sim.fake_sampler import fake_samples
+
+    budget = sum(p + o for p, o in mix) + 1
+    s = Scheduler(SchedulerConfig(max_num_seqs=len(mix) + 1, max_model_len=budget,
+                                  max_num_batched_tokens=budget, enable_chunked_prefill=False),
+                  CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                              watermark=0.0))
+    for i, (p, o) in enumerate(mix):
+        s.add_request(i, tuple(range(1, p + 1)), SamplingParams(max_tokens=o),
+                      arrival_time=float(i))
+    step = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        if out.preempted or out.ignored or (step == 0 and len(out.scheduled) != len(mix)):
+            return False
+        s.update(out, fake_samples(out))
+        step += 1
+    return True
+
+
+def test_8_3_reference_is_what_the_v0_scheduler_runs_without_preempting():
+    cases = [c for c in ch08.request_cases(count=12) if c[0] > 0]
+    assert len(cases) >= 20
+    for pool, bs, mix in cases:
+        k = ch08.reference_max_num_requests(pool, bs, mix)
+        assert runs_together(pool, bs, mix[:k]), (pool, bs, mix, k)
+        if k < len(mix):
+            assert not runs_together(pool, bs, mix[:k + 1]), (pool, bs, mix, k)
+
+
+def test_8_3_cases_separate_the_usual_mistakes_from_the_answer():
+    answers = [ch08.reference_max_num_requests(*c) for c in ch08.request_cases()]
+    assert 0 in answers and any(a == len(c[2]) > 1 for a, c in
+                                zip(answers, ch08.request_cases(), strict=True))
+    for wrong, words in ((ch08._reserve_final_size, "final size"),
+                         (ch08._mix_tokens_not_blocks, "not whole blocks"),
+                         (ch08._last_token_cached, "never written to the cache")):
+        v = ch08.check_max_num_requests(wrong)
+        assert not v.ok and words in v.first_problem, (wrong, v)
+    assert "step" in ch08.check_max_num_requests(ch08._average_request).first_problem

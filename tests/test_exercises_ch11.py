@@ -74,3 +74,53 @@ def test_the_capstone_passes_with_both_solutions_and_fails_with_either_wrong(mod
 def test_tags_say_where_a_block_came_from():
     assert checks._origin(1000 + 100 + 3) == "GPU block 3's old contents"
     assert checks._origin(100 + 50 + 2) == "CPU block 2's old contents"
+
+
+# ------------------------------------------------------------------ 11.3 serving metrics
+def test_the_reference_agrees_with_the_courses_histograms_on_a_simulated_run():
+    from course_lib.exercises import ch11_serving as serving
+
+    records, metrics = serving.replayed_records(16, 40.0, 24, seed=2)
+    want = serving.serving_metrics(records, 99)
+    for name, hist in (("ttft", "vllm:time_to_first_token_seconds"),
+                       ("tpot", "vllm:request_time_per_output_token_seconds"),
+                       ("itl", "vllm:inter_token_latency_seconds"),
+                       ("e2el", "vllm:e2e_request_latency_seconds")):
+        mean = 1000 * metrics.value(f"{hist}_sum") / metrics.value(f"{hist}_count")
+        assert want[name][0] == pytest.approx(mean, rel=1e-9), name
+    assert len(records) == 16 and metrics.value("vllm:num_preemptions_total") > 0
+
+
+def test_token_times_records_a_real_engine_run(model):
+    from course_lib.config import CacheConfig, SchedulerConfig
+    from course_lib.engine import LLMEngine
+    from course_lib.sequence import SamplingParams
+
+    ticks = iter(range(10_000))
+    engine = LLMEngine(model, SchedulerConfig(max_model_len=256),
+                       CacheConfig(block_size=16, num_gpu_blocks=32), stop_token_ids=(),
+                       clock=lambda: 0.5 * next(ticks))
+    times = ch11.TokenTimes(engine.metrics)
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0))
+    records = times.records()
+    assert [len(t) for _, t in records] == [4, 4]
+    for (sent, t), out in zip(records, outs, strict=True):
+        assert t[0] - sent == pytest.approx(out.ttft) and t[-1] - sent == pytest.approx(
+            out.latency)
+
+
+def test_serving_metrics_mistakes_name_the_definition():
+    from course_lib.exercises import ch11_serving as serving
+
+    tpot, rank, itl = serving.WRONG
+    assert "averaged over the requests with more than one token" in \
+        ch11.check_serving_metrics(tpot).first_problem
+    assert "interpolates linearly" in ch11.check_serving_metrics(rank).first_problem
+    assert "all requests' gaps in one list" in ch11.check_serving_metrics(itl).first_problem
+
+    def seconds(records, p):
+        return {k: (m / 1000, q / 1000) for k, (m, q) in
+                solutions.serving_metrics(records, p).items()}
+
+    assert "milliseconds" in ch11.check_serving_metrics(seconds).first_problem
+    assert ch11.check_serving_metrics(solutions.serving_metrics).ok

@@ -27,9 +27,12 @@ def not_attempted(*args):
 
 @pytest.mark.skipif(not BACKEND.uses_triton, reason="4.1 is a Triton exercise")
 def test_gather_kv_checker_takes_any_correct_answer_and_names_the_token():
-    """4.1's checker compares results: torch's own gather passes; one that ignores the table
-    fails at a named token. (The Triton answers: tests/test_exercises_ch04.py.)"""
-    assert ch04.check_gather_kv(reference.gather_kv).ok
+    """4.1's checker compares results and asks for a kernel: torch's own gather, right on
+    every case, fails for launching none; one that ignores the table also fails at a named
+    token. (The Triton answers: tests/test_exercises_ch04.py.)"""
+    verdict = ch04.check_gather_kv(reference.gather_kv)
+    assert verdict.passed == 0 and verdict.first_problem.startswith("your function launched no")
+    assert "; and" not in verdict.first_problem        # ... and no case differs
     assert not ch04.check_gather_kv(not_attempted).attempted
 
     def ignores_table(key_cache, value_cache, block_table, seq_len):
@@ -47,20 +50,16 @@ def test_gather_kv_checker_takes_any_correct_answer_and_names_the_token():
     assert not ch04.check_gather_kv(reads_whole_blocks).ok
 
 
+@pytest.mark.skipif(not BACKEND.uses_triton, reason="4.3 is a Triton exercise")
 def test_merge_checker():
-    assert ch04.check_merge_attn_states(reference.merge_attn_states).ok
-
-    def average(out_a, lse_a, out_b, lse_b):
-        return (out_a + out_b) / 2, torch.maximum(lse_a, lse_b)
-
-    def naive_nan_on_empty(out_a, lse_a, out_b, lse_b):
-        lse = torch.logaddexp(lse_a, lse_b)
-        w_b = torch.exp(lse_b - lse).unsqueeze(-1)
-        return torch.exp(lse_a - lse).unsqueeze(-1) * out_a + w_b * out_b, lse
-
-    assert not ch04.check_merge_attn_states(average).ok
-    verdict = ch04.check_merge_attn_states(naive_nan_on_empty)     # NaN when both are empty
-    assert verdict.passed == verdict.total - 1 and "NaN" in verdict.first_problem
+    """4.3 asks for a kernel: torch's right merge fails for launching none; the wrong kernels
+    fail on the cases that show their mistake."""
+    verdict = ch04.check_merge_attn_states(reference.merge_attn_states)
+    assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
+    average, nan_on_empty, _ = ch04.EXERCISES["4.3"].wrong
+    assert ch04.check_merge_attn_states(average).passed <= 2
+    verdict = ch04.check_merge_attn_states(nan_on_empty)     # NaN when both are empty
+    assert verdict.passed == verdict.total - 1 and "-inf - -inf" in verdict.first_problem
 
 
 def test_three_level_mapping_drawing_labels_the_article_example():

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "course_lib"
 
 # Bottom first. A module may import its own component and components of lower layers only.
 LAYERS: list[set[str]] = [
+    {"sizing"},                             # units, model specs, model-free block counting
     {"device", "capacity"},                 # facts about the machine and the models
     {"config", "sequence", "envcheck"},     # plain data everyone shares | chapter 00's check
     {"memory"},                             # block tables, pools, prefix cache, BlockManager
@@ -31,7 +32,7 @@ LAYERS: list[set[str]] = [
     {"exercises"},                          # checkers for the chapters' exercises
     {"__main__"},                           # the command line
 ]
-TORCH_FREE = {"capacity", "config", "sequence", "memory", "scheduler", "sim", "claims"}
+TORCH_FREE = {"sizing", "capacity", "config", "sequence", "memory", "scheduler", "sim", "claims"}
 HEAVY = {"torch", "triton"}
 MAX_ROOT_MODULES = 7
 

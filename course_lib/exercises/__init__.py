@@ -71,6 +71,61 @@ def check(exercise: str, learner: Callable[..., Any], reference: Callable[..., A
     return Verdict(exercise, passed, len(cases), first_problem)
 
 
+def args_text(case: Sequence[Any]) -> str:
+    """A case's arguments as a call would show them: ``(1, [2, 3])``."""
+    return f"({', '.join(map(repr, case))})"
+
+
+def returns(judge: Callable[[Any, Any], str | None]) -> Callable[[Callable, Any], str | None]:
+    """A :func:`judge_cases` judge from ``judge(case, got)``, where ``got = learner(*case)``
+    on a copy of the case (a learner who changes an argument cannot change the question)."""
+    import copy
+
+    return lambda learner, case: judge(case, learner(*copy.deepcopy(case)))
+
+
+def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any],
+                judge: Callable[[Callable, Any], str | None],
+                describe: Callable[[Any], str] = args_text, *,
+                needs_triton: bool = False) -> Verdict:
+    """The checker of the exercises where a learner writes a function.
+
+    ``judge(learner, case)`` runs the learner on one case and returns the problem in words, or
+    ``None`` when the case passes (:func:`returns` builds one from a ``judge(case, got)``). A
+    learner's exception is a problem, told as ``describe(case): raised Type: message``;
+    ``NotImplementedError`` means not attempted. The verdict counts the cases and keeps the
+    first problem.
+
+    ``needs_triton``: the learner writes a Triton kernel. Where Triton does not run, anything
+    but the stub is told to move to a Triton backend; where it runs, an answer that launched
+    no ``@triton.jit`` kernel of its own (it computed in torch, or called the course's kernels)
+    fails whatever it returned (see :mod:`course_lib.exercises.launches`)."""
+    import warnings
+
+    from course_lib.exercises import launches
+
+    passed, first = 0, None
+    with launches.recorded() as kernels, warnings.catch_warnings():
+        # the interpreter computes with numpy, which warns where a GPU quietly gives inf/NaN
+        # (log(0), -inf - -inf): the verdict, not the warning, tells the learner
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for i, case in enumerate(cases):
+            try:
+                problem = judge(learner, case)
+            except NotImplementedError:
+                return Verdict(exercise, 0, len(cases), attempted=False)
+            except Exception as exc:  # a learner's bug is a verdict, not a crash
+                problem = f"{describe(case)}: raised {type(exc).__name__}: {exc}"
+            if i == 0 and needs_triton and not launches.triton_runs():
+                return Verdict(exercise, 0, len(cases), launches.no_triton())
+            passed += problem is None
+            first = first or problem
+    if needs_triton and not launches.own(kernels):
+        return Verdict(exercise, 0, len(cases), launches.not_a_kernel(kernels)
+                       + (f"; and {first}" if first else ""))
+    return Verdict(exercise, passed, len(cases), first)
+
+
 @dataclass(frozen=True)
 class Exercise:
     """One exercise, as the tests and the notebook helpers see it.

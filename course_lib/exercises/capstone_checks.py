@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from course_lib.exercises import Verdict
+from course_lib.exercises import Verdict, judge_cases
 from course_lib.exercises.solutions import ch11 as solutions
 from course_lib.model import ByteTokenizer
 
@@ -124,17 +124,15 @@ def compare_runs(name: str, model, ch11, append=None, cache_ops=None) -> Verdict
     """Every workload with the learner's parts, step by step against the library's.
     ``ch11``: the chapter module (its workloads and engine pieces; passed in, not imported,
     since the chapter module imports this one)."""
-    passed, problem = 0, None
-    for i, w in enumerate(ch11.WORKLOADS):
+    def judge(parts: tuple, i: int) -> str | None:
         try:
-            _run_one(model, i, append, cache_ops, ch11)
-        except NotImplementedError:
-            return Verdict(name, 0, len(ch11.WORKLOADS), attempted=False)
+            _run_one(model, i, *parts, ch11)
         except _Diverged as d:
-            problem = problem or f"{_describe(i, w)}, {d}"
-            continue
-        passed += 1
-    return Verdict(name, passed, len(ch11.WORKLOADS), problem)
+            return f"{_describe(i, ch11.WORKLOADS[i])}, {d}"
+        return None
+
+    return judge_cases(name, (append, cache_ops), range(len(ch11.WORKLOADS)), judge,
+                       lambda i: _describe(i, ch11.WORKLOADS[i]))
 
 
 # ---------------------------------------------------------------- the order of cache ops
@@ -224,23 +222,12 @@ def _explain(got, want, case) -> str:
 
 
 def order_cases(name: str, fn, reference) -> Verdict:
-    cases = _order_cases()
-    passed, problem = 0, None
-    for case in cases:
-        want = _run(reference, case)
-        try:
-            got = _run(fn, case)
-        except NotImplementedError:
-            return Verdict(name, 0, len(cases), attempted=False)
-        except Exception as exc:
-            problem = problem or f"swap out {case[0]}, swap in {case[1]}, copy {case[2]}: " \
-                                 f"raised {type(exc).__name__}: {exc}"
-            continue
-        if _same(got, want):
-            passed += 1
-        elif problem is None:
-            problem = _explain(got, want, case)
-    return Verdict(name, passed, len(cases), problem)
+    def judge(learner, case) -> str | None:
+        got, want = _run(learner, case), _run(reference, case)
+        return None if _same(got, want) else _explain(got, want, case)
+
+    return judge_cases(name, fn, _order_cases(), judge,
+                       lambda case: f"swap out {case[0]}, swap in {case[1]}, copy {case[2]}")
 
 
 # ---------------------------------------------------------------- plausible wrong answers

@@ -20,18 +20,11 @@ from collections.abc import Callable
 import torch
 
 from course_lib.device import BACKEND
-from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
 from course_lib.exercises.solutions import ch00 as solutions
 
 SENTINEL = -999.0   # the output buffer's tail: a store past the end overwrites it
 PAD = 256           # elements of NaN / sentinel after the inputs / the output
-
-
-def no_triton_verdict(exercise: str, total: int) -> Verdict:
-    """What a Triton exercise says where Triton does not run (``torch-reference``)."""
-    return Verdict(exercise, 0, total, first_problem=(
-        f"this backend ({BACKEND.name}) runs no Triton, so your kernel cannot run here; "
-        "start Jupyter with COURSE_BACKEND=triton-interpreter (or on a GPU) to check it"))
 
 
 def padded(values: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,27 +33,6 @@ def padded(values: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tenso
     buf[:values.numel()] = values
     buf = buf.to(BACKEND.device)
     return buf[:values.numel()], buf
-
-
-def run_cases(exercise: str, learner: Callable, cases: list, judge: Callable) -> Verdict:
-    """``judge(learner, case) -> problem or None`` for each case; the verdict counts them."""
-    passed, first = 0, None
-    for i, case in enumerate(cases):
-        try:
-            problem = judge(learner, case)
-        except NotImplementedError:
-            return Verdict(exercise, 0, len(cases), attempted=False)
-        except Exception as exc:  # a learner's bug is a verdict
-            if not BACKEND.uses_triton:
-                return no_triton_verdict(exercise, len(cases))
-            problem = f"{case_text(case)}: raised {type(exc).__name__}: {exc}"
-        if i == 0 and not BACKEND.uses_triton:
-            return no_triton_verdict(exercise, len(cases))
-        if problem is None:
-            passed += 1
-        elif first is None:
-            first = problem
-    return Verdict(exercise, passed, len(cases), first)
 
 
 def case_text(case: tuple) -> str:
@@ -118,7 +90,8 @@ def _judge_leaky_relu(learner: Callable, case: tuple) -> str | None:
 def check_leaky_relu(fn: Callable) -> Verdict:
     """Exercise 0.1: ``leaky_relu(x, out, alpha, block_size)`` writes ``out[i] = x[i]`` where
     ``x[i] > 0``, else ``alpha * x[i]``, for the ``n = x.numel()`` elements, and nothing else."""
-    return run_cases("0.1 leaky_relu", fn, leaky_relu_cases(), _judge_leaky_relu)
+    return judge_cases("0.1 leaky_relu", fn, leaky_relu_cases(), _judge_leaky_relu, case_text,
+                       needs_triton=True)
 
 
 # ------------------------------------------------------------------ 0.2 block maxima
@@ -169,7 +142,8 @@ def _judge_block_max(learner: Callable, case: tuple) -> str | None:
 def check_block_max(fn: Callable) -> Verdict:
     """Exercise 0.2: ``block_max(x, out, block_size)`` writes, for each block of ``block_size``
     elements of ``x`` (the last one partial), its maximum into ``out[block]``."""
-    return run_cases("0.2 block_max", fn, block_max_cases(), _judge_block_max)
+    return judge_cases("0.2 block_max", fn, block_max_cases(), _judge_block_max, case_text,
+                       needs_triton=True)
 
 
 # ------------------------------------------------------------------ plausible wrong answers
@@ -208,6 +182,17 @@ def _leaky_no_store_mask(x, out, alpha, block_size):
     _leaky_unmasked_store[(-(-n // block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
 
 
+def _leaky_in_torch(x, out, alpha, block_size):
+    """Wrong for this exercise: the right numbers, but no kernel."""
+    out.copy_(torch.where(x > 0, x, alpha * x))
+
+
+def _max_in_torch(x, out, block_size):
+    """Wrong for this exercise: the right numbers, but no kernel."""
+    for b in range(out.numel()):
+        out[b] = x[b * block_size:(b + 1) * block_size].max()
+
+
 def _max_zero_lanes(x, out, block_size):
     _max_other_zero[(out.numel(),)](x, out, x.numel(), BLOCK_SIZE=block_size)
 
@@ -226,7 +211,8 @@ EXERCISES = Exercises(
         "Launch with leaky_relu_kernel[grid](x, out, n, alpha, BLOCK_SIZE=block_size) where "
         "grid = ((n + block_size - 1) // block_size,): the ceiling, or the last, partial block "
         "has no program. smoke.num_programs is the course's version.",
-    ), solution=solutions.leaky_relu, wrong=(_leaky_floor_grid, _leaky_no_store_mask),
+    ), solution=solutions.leaky_relu,
+        wrong=(_leaky_floor_grid, _leaky_no_store_mask, _leaky_in_torch),
         needs_triton=True),
     Exercise("0.2", "maximum of each block", check_block_max, hints=(
         "One program per block again, and one value out per program: tl.max(x, axis=0) "
@@ -235,7 +221,7 @@ EXERCISES = Exercises(
         "fills it with `other`. What value can never be the maximum? (0.0 can.)",
         "other=float('-inf'). Chapter 04's decode kernel starts its running maximum the same "
         "way: read m_i in course_lib/kernels/paged_decode.py once this passes.",
-    ), solution=solutions.block_max, wrong=(_max_zero_lanes, _max_no_mask),
+    ), solution=solutions.block_max, wrong=(_max_zero_lanes, _max_no_mask, _max_in_torch),
         needs_triton=True),
 )
 

@@ -1,6 +1,7 @@
 """Exercises of chapter 01 (KV-cache cost): a model's bytes per token on one tensor-parallel
 rank, read from its ``config.json`` as a server reads it; a decode loop with a KV cache shared
-by groups of query heads (GQA); the tokens that fit in memory.
+by groups of query heads (GQA); the largest batch one GPU serves, weights counted from the
+config (1.3, in ``ch01_batch``).
 
 Each reference_* function is the library's answer, built from course_lib.capacity; each check_*
 runs a learner's function and the reference on the same cases (the presets' configs, configs
@@ -15,11 +16,19 @@ from collections.abc import Callable
 import torch
 
 from course_lib import capacity as cap
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises.ch01_batch import (  # noqa: F401 (1.3, re-exported)
+    DTYPE_BYTES,
+    WRONG_IDEAS,
+    batch_cases,
+    check_max_batch_size,
+    reference_kv_bytes_from_config,
+    reference_max_batch_size,
+    reference_num_params,
+)
 from course_lib.exercises.solutions import ch01 as solutions
 from course_lib.kernels.reference import dense_attention
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "float16"}
 
 
@@ -36,19 +45,6 @@ def config_of(spec: cap.ModelSpec, *, drop: tuple[str, ...] = (), dtype: str = "
         config.update(kv_lora_rank=spec.kv_lora_rank, qk_rope_head_dim=spec.qk_rope_head_dim)
     config.update(extra)
     return {k: v for k, v in config.items() if k not in drop}
-
-
-def reference_kv_bytes_from_config(config: dict, tensor_parallel_size: int) -> int:
-    """Bytes one token adds to the cache of one rank, through course_lib.capacity."""
-    heads, mla = config["num_attention_heads"], bool(config.get("kv_lora_rank"))
-    spec = cap.ModelSpec(
-        "exercise", config["num_hidden_layers"], heads,
-        1 if mla else config.get("num_key_value_heads") or heads,
-        config.get("head_dim") or config["hidden_size"] // heads, num_params=1,
-        dtype_bytes=DTYPE_BYTES[config["torch_dtype"]],
-        kv_lora_rank=config.get("kv_lora_rank") or 0,
-        qk_rope_head_dim=config.get("qk_rope_head_dim") or 0)
-    return cap.kv_bytes_per_token(spec, tensor_parallel_size)
 
 
 def config_cases() -> list[tuple[dict, int]]:
@@ -77,30 +73,25 @@ def _config_text(config: dict) -> str:
     return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in config.items()) + "}"
 
 
+def _judge_config(learner: Callable, case: tuple) -> str | None:
+    config, tp = case
+    want = reference_kv_bytes_from_config(config, tp)
+    where = f"config {_config_text(config)}, tensor_parallel_size {tp}"
+    try:
+        got = learner(dict(config), tp)
+    except (KeyError, TypeError) as exc:     # a key read as if every config had it
+        return f"{where}: raised {type(exc).__name__}: {exc}" + _config_rule({}, tp, None, want)
+    if got == want:
+        return None
+    return (f"{where}: returned {got!r}, the library returns {want:,}"
+            + _config_rule(config, tp, got, want))
+
+
 def check_kv_bytes_from_config(fn: Callable[[dict, int], int]) -> Verdict:
     """1.1: compare bytes; a difference names the config, the TP size and the likely rule."""
-    cases = config_cases()
-    passed, problem = 0, None
-    for config, tp in cases:
-        want = reference_kv_bytes_from_config(config, tp)
-        try:
-            got = fn(dict(config), tp)
-        except NotImplementedError:
-            return Verdict("1.1 kv_bytes_from_config", 0, len(cases), attempted=False)
-        except Exception as exc:   # a learner's bug is a verdict
-            got, why = None, f"raised {type(exc).__name__}: {exc}"
-            if isinstance(exc, (KeyError, TypeError)):
-                why += _config_rule({}, tp, None, want)
-        else:
-            why = None
-        if why is None and got == want:
-            passed += 1
-            continue
-        if problem is None:
-            problem = (f"config {_config_text(config)}, tensor_parallel_size {tp}: "
-                       + (why or f"returned {got!r}, the library returns {want:,}"
-                          + _config_rule(config, tp, got, want)))
-    return Verdict("1.1 kv_bytes_from_config", passed, len(cases), problem)
+    return judge_cases("1.1 kv_bytes_from_config", fn, config_cases(), _judge_config,
+                       lambda case: f"config {_config_text(case[0])}, "
+                                    f"tensor_parallel_size {case[1]}")
 
 
 def _config_rule(config: dict, tp: int, got, want: int) -> str:
@@ -143,27 +134,22 @@ def gqa_cases() -> list[tuple]:
     return cases
 
 
+def _judge_gqa(case: tuple, got) -> str | None:
+    x, Wq, Wk, Wv, heads, kv = case
+    why = _gqa_problem(got, reference_gqa_decode(*case), heads, kv)
+    if why and why.startswith("step"):
+        why += _gqa_rule(got, case)
+    return why and f"{_gqa_text(case)}: {why}"
+
+
+def _gqa_text(case: tuple) -> str:
+    return f"{len(case[0])} tokens, {case[4]} query heads, {case[5]} KV heads"
+
+
 def check_gqa_decode(fn: Callable) -> Verdict:
     """1.2: outputs and caches; a difference names the step, the head and the likely rule."""
-    cases = gqa_cases()
-    passed, problem = 0, None
-    for x, Wq, Wk, Wv, heads, kv in cases:
-        want = reference_gqa_decode(x, Wq, Wk, Wv, heads, kv)
-        try:
-            got = fn(x, Wq, Wk, Wv, heads, kv)
-        except NotImplementedError:
-            return Verdict("1.2 decode_with_gqa_cache", 0, len(cases), attempted=False)
-        except Exception as exc:   # a learner's bug is a verdict
-            got, why = None, f"raised {type(exc).__name__}: {exc}"
-        else:
-            why = _gqa_problem(got, want, heads, kv)
-            if why and why.startswith("step"):
-                why += _gqa_rule(got, (x, Wq, Wk, Wv, heads, kv))
-        if why is None:
-            passed += 1
-        elif problem is None:
-            problem = f"{len(x)} tokens, {heads} query heads, {kv} KV heads: {why}"
-    return Verdict("1.2 decode_with_gqa_cache", passed, len(cases), problem)
+    return judge_cases("1.2 decode_with_gqa_cache", fn, gqa_cases(), returns(_judge_gqa),
+                       _gqa_text)
 
 
 def _gqa_rule(got, case: tuple) -> str:
@@ -201,31 +187,6 @@ def _gqa_problem(got, want, heads: int, kv: int) -> str | None:
                         f"{[round(v, 4) for v in w.tolist()]}; step t attends over tokens "
                         f"0..t only, with scores scaled by 1/sqrt(head_dim)")
     return None
-
-
-# (memory_gib, bytes_per_token): tokens whose cache fits in memory_gib GiB.
-FIT_CASES = [
-    (80, 327_680),         # 80 GiB / 70B's 320 KiB per token: exactly 262,144
-    (51, 655_360),         # not a whole number of tokens: floor, not round
-    (0.5, 131_072),
-    (0, 131_072),          # no memory, no tokens
-    (1, 2 * 1024 ** 3),    # a token bigger than the memory
-    (1, 1024 ** 3 - 1),    # 1.000000001 tokens: still one
-    (3.5, 70_272),         # DeepSeek-V3
-    (61.04, 57_344),
-    (24, 393_216),         # 24 GiB / 384 KiB: exactly 65,536
-    (2, 3),                # 715,827,882.67 tokens: rounding would give one too many
-    (0.75, 4096),
-]
-
-
-def reference_tokens_that_fit(memory_gib: float, bytes_per_token: int) -> int:
-    """Whole tokens whose cache fits in memory_gib GiB: floor(memory / bytes_per_token)."""
-    return round(memory_gib * cap.GiB) // bytes_per_token
-
-
-def check_tokens_that_fit(fn: Callable[[float, int], int]) -> Verdict:
-    return check("1.3 tokens_that_fit", fn, reference_tokens_that_fit, FIT_CASES)
 
 
 def _ignores_tp(config, tensor_parallel_size):
@@ -293,14 +254,21 @@ EXERCISES = Exercises(
         "t + 1 cached rows; concatenate the heads. Then read dense_attention in "
         "course_lib/kernels/reference.py (repeat_interleave does the grouping).",
     ), solution=solutions.decode_with_gqa_cache, wrong=(_heads_round_robin, _sees_the_future)),
-    Exercise("1.3", "tokens that fit", check_tokens_that_fit, hints=(
-        "1 GiB is 2**30 bytes, not 10**9.",
-        "A token fits whole or not at all: floor, never round. Integer division (//) on "
-        "integers cannot round the wrong way, floats can.",
-        "round(memory_gib * 2**30) // bytes_per_token. plan_kv_cache in course_lib/capacity.py "
-        "sizes a whole pool the same way, in blocks.",
-    ), solution=solutions.tokens_that_fit,
-        wrong=(lambda g, b: round(g * 2**30 / b), lambda g, b: int(g * 10**9 // b))),
+    Exercise("1.3", "the largest batch one GPU serves, from config.json", check_max_batch_size,
+             hints=(
+        "Two parts: the weights' bytes (parameters x dtype bytes, paid once) and the cache of "
+        "one request (1.1's bytes per token at TP 1, x (prompt_len + output_len)). What is "
+        "left of the memory after the weights, divided by one request's cache (a floor).",
+        "Parameters: embed_tokens vocab_size x hidden_size; per layer q_proj and o_proj "
+        "hidden_size x (num_attention_heads x head_dim), k_proj and v_proj hidden_size x "
+        "(num_key_value_heads x head_dim), gate_proj, up_proj and down_proj hidden_size x "
+        "intermediate_size, two RMSNorm weights of hidden_size; a final norm; lm_head "
+        "vocab_size x hidden_size unless tie_word_embeddings.",
+        "Memory is round(gpu_memory_gib x 2**30) bytes; if the weights take more, 0. Then "
+        "read the modules of course_lib/model/llama.py (Attention, MLP, DecoderLayer, "
+        "TinyLlama), the model these shapes build, and weights_kv_crossing_tokens in "
+        "course_lib/viz/capacity.py.",
+    ), solution=solutions.max_batch_size, wrong=tuple(w for w, _ in WRONG_IDEAS)),
 )
 
 

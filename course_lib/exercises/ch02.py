@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
 from course_lib.exercises.solutions import ch02 as solutions
 from course_lib.memory import cdiv
 from course_lib.sim.static import CATEGORIES, ContiguousAllocator, reservation
@@ -81,32 +81,25 @@ def _concept(key: str) -> str:
             "free": "the free slots that are not external fragmentation"}[key]
 
 
+def _judge_split(case: tuple, got) -> str | None:
+    want = split_memory(*case)
+    if not isinstance(got, dict):
+        return f"{_split_text(case)}: returned {got!r:.60}, not a dict of the five categories"
+    if got == want:
+        return None
+    key = next((k for k in CATEGORIES if got.get(k) != want[k]), None)
+    return f"{_split_text(case)}: " + (
+        f"{key} = {got.get(key)!r}, the library {want[key]} ({_concept(key)})"
+        if key else f"extra keys {sorted(set(got) - set(want))}")
+
+
+def _split_text(case: tuple) -> str:
+    return f"residents {case[0]}, holes {case[1]}, head_need {case[2]}"
+
+
 def check_split_memory(fn: Callable) -> Verdict:
     """2.1: compare the five numbers; a difference names the category and what it counts."""
-    cases = split_cases()
-    passed, problem = 0, None
-    for residents, holes, head in cases:
-        want = split_memory(residents, holes, head)
-        try:
-            got = fn(residents, holes, head)
-        except NotImplementedError:
-            return Verdict("2.1 split_memory", 0, len(cases), attempted=False)
-        except Exception as exc:   # a learner's bug is a verdict
-            got, why = None, f"raised {type(exc).__name__}: {exc}"
-        else:
-            why = None
-        if why is None and not isinstance(got, dict):
-            why = f"returned {got!r:.60}, not a dict of the five categories"
-        if why is None and got == want:
-            passed += 1
-            continue
-        if why is None:
-            key = next((k for k in CATEGORIES if got.get(k) != want[k]), None)
-            why = (f"{key} = {got.get(key)!r}, the library {want[key]} ({_concept(key)})"
-                   if key else f"extra keys {sorted(set(got) - set(want))}")
-        if problem is None:
-            problem = f"residents {residents}, holes {holes}, head_need {head}: {why}"
-    return Verdict("2.1 split_memory", passed, len(cases), problem)
+    return judge_cases("2.1 split_memory", fn, split_cases(), returns(_judge_split), _split_text)
 
 
 def first_fit(num_slots: int, events: list[tuple[str, int]]) -> list[int | None]:
@@ -164,27 +157,18 @@ def first_fit_cases() -> list[tuple[int, list[tuple[str, int]]]]:
     return cases
 
 
+def _judge_first_fit(case: tuple, got) -> str | None:
+    num_slots, events = case
+    want = first_fit(num_slots, events)
+    if got is not None and list(got) == want:
+        return None
+    return f"{num_slots} slots, events {events}: " + _first_fit_diff(num_slots, events, got, want)
+
+
 def check_first_fit(fn: Callable[[int, list[tuple[str, int]]], list[int | None]]) -> Verdict:
     """2.2: compare the starts; a difference names the alloc, the holes then, and the rule."""
-    cases = first_fit_cases()
-    passed, problem = 0, None
-    for num_slots, events in cases:
-        want = first_fit(num_slots, events)
-        try:
-            got = fn(num_slots, events)
-        except NotImplementedError:
-            return Verdict("2.2 first_fit", 0, len(cases), attempted=False)
-        except Exception as exc:   # a learner's bug is a verdict
-            got, why = None, f"raised {type(exc).__name__}: {exc}"
-        else:
-            why = None
-        if why is None and list(got or []) == want and got is not None:
-            passed += 1
-            continue
-        if problem is None:
-            problem = f"{num_slots} slots, events {events}: " + (why or _first_fit_diff(
-                num_slots, events, got, want))
-    return Verdict("2.2 first_fit", passed, len(cases), problem)
+    return judge_cases("2.2 first_fit", fn, first_fit_cases(), returns(_judge_first_fit),
+                       lambda case: f"{case[0]} slots, events {case[1]}")
 
 
 def _first_fit_diff(num_slots: int, events: list, got, want: list) -> str:

@@ -12,9 +12,24 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict, op_text, replay_ops
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Verdict,
+    judge_cases,
+    replay_ops,
+    returns,
+)
+from course_lib.exercises.ch03_manager import (  # noqa: F401 (3.1, re-exported)
+    ReferenceManager,
+    _ManagerDoesNothing,
+    _NoNever,
+    _PartialStep,
+    _WatermarkOnAppend,
+    check_manager,
+)
 from course_lib.exercises.solutions import ch03 as solutions
-from course_lib.memory import BlockAllocator, BlockTable, cdiv
+from course_lib.memory import BlockAllocator, BlockTable
 
 
 def step_slot_mapping(tables: dict, num_computed: dict, num_new: dict,
@@ -51,41 +66,35 @@ def slot_cases(seed: int = 4, count: int = 30) -> list[tuple]:
     return cases
 
 
+def _slot_text(case: tuple) -> str:
+    tables, done, new, bs = case
+    return f"tables {tables}, num_computed {done}, num_new {new}, block_size {bs}"
+
+
+def _judge_slots(case: tuple, got) -> str | None:
+    tables, done, new, bs = case
+    want = step_slot_mapping(*case)
+    try:
+        got = [int(x) for x in got]
+    except (TypeError, ValueError):
+        return f"{_slot_text(case)}: returned {got!r:.60}, not a list of ints"
+    if got == want:
+        return None
+    if len(got) != len(want):
+        return (f"{_slot_text(case)}: returned {len(got)} slots; the step has {len(want)} new "
+                "tokens (sum of num_new), in the order of num_new")
+    i = next(j for j, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+    seq, pos = _positions(done, new)[i]
+    block = tables[seq][pos // bs]
+    return (f"{_slot_text(case)}: the new token of {seq!r} at position {pos} (logical block "
+            f"{pos // bs}, offset {pos % bs}, so block {block}) got slot {got[i]}; want "
+            f"{block} * {bs} + {pos % bs} = {want[i]}")
+
+
 def check_step_slot_mapping(fn: Callable) -> Verdict:
     """3.2: compare slot lists; a difference names the sequence, the position and its block."""
-    cases = slot_cases()
-    passed, problem = 0, None
-    for tables, done, new, bs in cases:
-        want = step_slot_mapping(tables, done, new, bs)
-        try:
-            got = fn(tables, done, new, bs)
-        except NotImplementedError:
-            return Verdict("3.2 step_slot_mapping", 0, len(cases), attempted=False)
-        except Exception as exc:   # a learner's bug is a verdict
-            got, why = None, f"raised {type(exc).__name__}: {exc}"
-        else:
-            why = None
-        try:
-            got = [int(x) for x in got]
-        except (TypeError, ValueError):
-            why = why or f"returned {got!r:.60}, not a list of ints"
-        if why is None and got == want:
-            passed += 1
-            continue
-        if problem is None:
-            where = f"tables {tables}, num_computed {done}, num_new {new}, block_size {bs}"
-            if why is None and len(got) != len(want):
-                why = (f"returned {len(got)} slots; the step has {len(want)} new tokens "
-                       f"(sum of num_new), in the order of num_new")
-            elif why is None:
-                i = next(j for j, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-                seq, pos = _positions(done, new)[i]
-                block = tables[seq][pos // bs]
-                why = (f"the new token of {seq!r} at position {pos} (logical block {pos // bs}, "
-                       f"offset {pos % bs}, so block {block}) got slot {got[i]}; want "
-                       f"{block} * {bs} + {pos % bs} = {want[i]}")
-            problem = f"{where}: {why}"
-    return Verdict("3.2 step_slot_mapping", passed, len(cases), problem)
+    return judge_cases("3.2 step_slot_mapping", fn, slot_cases(), returns(_judge_slots),
+                       _slot_text)
 
 
 def _positions(done: dict, new: dict) -> list[tuple]:
@@ -175,129 +184,6 @@ def check_allocator(toy_class: type) -> Verdict:
                       _allocator_problem)
 
 
-class ReferenceManager:
-    """What 3.1's manager must do: ``can_allocate`` answers "OK" (free - needed >= watermark),
-    "NEVER" (needed > num_blocks - watermark: it cannot fit even in an empty pool) or "LATER";
-    ``append_step({seq: new_tokens})`` grows every listed sequence, or, when the step needs
-    more blocks than are free (appends ignore the watermark), returns False and changes
-    nothing; ``free(seq)`` returns its blocks."""
-
-    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int) -> None:
-        self.pool = BlockAllocator("gpu", num_blocks)
-        self.num_blocks, self.block_size, self.watermark = num_blocks, block_size, watermark_blocks
-        self.tables: dict = {}
-        self.lens: dict = {}
-
-    @property
-    def num_free(self) -> int:
-        return self.pool.num_free_blocks
-
-    def can_allocate(self, num_tokens: int) -> str:
-        needed = cdiv(num_tokens, self.block_size)
-        if needed > self.num_blocks - self.watermark:
-            return "NEVER"
-        return "OK" if self.num_free - needed >= self.watermark else "LATER"
-
-    def allocate(self, seq_id, num_tokens: int) -> None:
-        self.tables[seq_id] = self.pool.allocate_n(cdiv(num_tokens, self.block_size))
-        self.lens[seq_id] = num_tokens
-
-    def append_step(self, new_tokens: dict) -> bool:
-        extra = {s: cdiv(self.lens[s] + k, self.block_size) - len(self.tables[s])
-                 for s, k in new_tokens.items()}
-        if sum(extra.values()) > self.num_free:
-            return False
-        for s, k in new_tokens.items():
-            self.tables[s] += self.pool.allocate_n(extra[s])
-            self.lens[s] += k
-        return True
-
-    def free(self, seq_id) -> None:
-        self.pool.release(reversed(self.tables.pop(seq_id)))
-        del self.lens[seq_id]
-
-
-def manager_cases(seed: int = 6, count: int = 30) -> list[tuple[tuple, list[tuple]]]:
-    """((num_blocks, block_size, watermark_blocks), ops); ops: ("can_allocate", n),
-    ("allocate", seq, n) (only where the library said OK), ("append_step", {seq: k}),
-    ("free", seq)."""
-    rng = random.Random(seed)
-    cases = [((4, 16, 0), [("can_allocate", 65), ("can_allocate", 64), ("allocate", "A", 16),
-                           ("allocate", "B", 32), ("append_step", {"A": 40}),
-                           ("append_step", {"A": 1}), ("free", "B"), ("can_allocate", 1)]),
-             ((6, 4, 1), [("can_allocate", 21), ("can_allocate", 20), ("allocate", "A", 16),
-                          ("can_allocate", 4), ("append_step", {"A": 4}),
-                          ("can_allocate", 1)]),
-             ((5, 2, 0), [("allocate", "A", 3), ("allocate", "B", 3),
-                          ("append_step", {"A": 1, "B": 1}), ("append_step", {"A": 2, "B": 2}),
-                          ("append_step", {"A": 0}), ("append_step", {})]),
-             ((2, 4, 0), [("can_allocate", 0), ("allocate", "A", 0), ("append_step", {"A": 1}),
-                          ("free", "A")])]
-    for _ in range(count):
-        geo = (rng.randrange(2, 16), 2 ** rng.randrange(0, 4), rng.randrange(0, 3))
-        ref, ops, next_id = ReferenceManager(*geo), [], 0
-        for _ in range(rng.randrange(5, 30)):
-            r = rng.random()
-            if r < 0.35 or not ref.tables:
-                n = rng.randrange(1, geo[0] * geo[1] + geo[1])
-                ops.append(("can_allocate", n))
-                if ref.can_allocate(n) == "OK":
-                    ops.append(("allocate", f"s{next_id}", n))
-                    ref.allocate(f"s{next_id}", n)
-                    next_id += 1
-            elif r < 0.85:
-                seqs = rng.sample(sorted(ref.tables), rng.randrange(1, len(ref.tables) + 1))
-                ops.append(("append_step", {s: rng.choice([1, 1, geo[1], rng.randrange(0, 9)])
-                                            for s in seqs}))
-                ref.append_step(ops[-1][1])
-            else:
-                ops.append(("free", rng.choice(sorted(ref.tables))))
-                ref.free(ops[-1][1])
-        cases.append((geo, ops))
-    return cases
-
-
-def _manager_outcome(obj, op: tuple) -> str:
-    """What one operation did, as the learner would say it."""
-    result = getattr(obj, op[0])(*op[1:])
-    result = getattr(result, "name", result)          # an AllocStatus enum reads as its name
-    tables = obj.tables
-    held = [b for t in tables.values() for b in t]
-    if len(held) != len(set(held)) or any(not 0 <= b < obj_size(obj) for b in held):
-        return f"returns {result!r}; the tables {tables} share a block or hold a bad id"
-    lengths = {s: len(t) for s, t in tables.items()}
-    return f"returns {result!r}, num_free {obj.num_free}, blocks per sequence {lengths}"
-
-
-def obj_size(obj) -> int:
-    return getattr(obj, "num_blocks", None) or len(obj.pool.ref_counts)
-
-
-def _manager_problem(geo: tuple, ops: list[tuple], i: int, got: str, want: str) -> str:
-    history = ", ".join(map(op_text, ops[max(0, i - 4):i])) or "nothing"
-    return (f"pool of {geo[0]} blocks of {geo[1]} tokens, watermark {geo[2]}, after {history} "
-            f"(op {i}): {op_text(ops[i])} {got}; the library "
-            f"{want}{_manager_concept(ops[i], got, want)}")
-
-
-def check_manager(manager_class: type) -> Verdict:
-    """Run the op sequences on ``manager_class(num_blocks, block_size, watermark_blocks)`` and
-    the reference; compare what every op returns, ``num_free`` and each table's length."""
-    return replay_ops("3.1 block manager", [(*geo, ops) for geo, ops in manager_cases()],
-                      manager_class, ReferenceManager,
-                      lambda obj, geo, ops, i: _manager_outcome(obj, ops[i]), _manager_problem)
-
-
-def _manager_concept(op: tuple, got: str, want: str) -> str:
-    if op[0] == "can_allocate" and "'NEVER'" in want:
-        return " (NEVER: more blocks than the pool minus the watermark, even when empty)"
-    if op[0] == "can_allocate" and "'LATER'" in want:
-        return " (LATER: it fits the pool, but not the free blocks above the watermark now)"
-    if op[0] == "append_step" and "returns False" in want:
-        return " (a step that does not fit must change nothing: check every sequence first)"
-    return ""
-
-
 class _FifoAllocator(solutions.ToyAllocator):
     """Wrong: hands out the block freed longest ago (a queue), not the last one (a stack)."""
 
@@ -327,55 +213,6 @@ class _DoesNothing:
 
     def free(self, block):
         return None
-
-
-class _PartialStep(solutions.ToyManager):
-    """Wrong: grows the sequences one by one and stops at the first that does not fit."""
-
-    def append_step(self, new_tokens):
-        for seq, k in new_tokens.items():
-            extra = -(-(self.lens[seq] + k) // self.block_size) - len(self.tables[seq])
-            if extra > len(self.free_blocks):
-                return False
-            self.tables[seq] += [self.free_blocks.pop() for _ in range(extra)]
-            self.lens[seq] += k
-        return True
-
-
-class _NoNever(solutions.ToyManager):
-    """Wrong: LATER for anything that does not fit now, even what never can."""
-
-    def can_allocate(self, num_tokens):
-        answer = super().can_allocate(num_tokens)
-        return "LATER" if answer == "NEVER" else answer
-
-
-class _WatermarkOnAppend(solutions.ToyManager):
-    """Wrong: keeps the watermark free on appends too (it is for admitting new prompts)."""
-
-    def append_step(self, new_tokens):
-        extra = sum(-(-(self.lens[s] + k) // self.block_size) - len(self.tables[s])
-                    for s, k in new_tokens.items())
-        if extra > len(self.free_blocks) - self.watermark:
-            return False
-        return super().append_step(new_tokens)
-
-
-class _ManagerDoesNothing:
-    def __init__(self, num_blocks, block_size, watermark_blocks):
-        self.num_free, self.num_blocks, self.tables = num_blocks, num_blocks, {}
-
-    def can_allocate(self, num_tokens):
-        return "OK"
-
-    def allocate(self, seq_id, num_tokens):
-        self.tables[seq_id] = []
-
-    def append_step(self, new_tokens):
-        return True
-
-    def free(self, seq_id):
-        self.tables.pop(seq_id)
 
 
 def _slots_logical(tables, num_computed, num_new, block_size):

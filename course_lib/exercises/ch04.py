@@ -20,8 +20,16 @@ from collections.abc import Callable
 import torch
 
 from course_lib.device import BACKEND
-from course_lib.exercises import Exercise, Exercises, Verdict
-from course_lib.exercises.ch00 import run_cases
+from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
+from course_lib.exercises.ch04_wrong import (
+    _decode_with,
+    _decode_with_course_kernel,
+    _gather_in_torch,
+    _gather_with,
+    _merge_average,
+    _merge_in_torch,
+    _merge_nan_when_both_empty,
+)
 from course_lib.exercises.solutions import ch04 as solutions
 from course_lib.kernels import reference
 
@@ -93,7 +101,8 @@ def _judge_gather(learner: Callable, c: tuple) -> str | None:
 def check_gather_kv(fn: Callable) -> Verdict:
     """Exercise 4.1: ``gather_kv(key_cache, value_cache, block_table, seq_len) -> (k, v)``,
     each ``[seq_len, num_kv_heads, head_dim]``, read through the block table."""
-    return run_cases("4.1 gather_kv", fn, [(c,) for c in gather_cases()], _judge_gather)
+    return judge_cases("4.1 gather_kv", fn, [(c,) for c in gather_cases()], _judge_gather,
+                       lambda c: _where(c[0]), needs_triton=True)
 
 
 # ------------------------------------------------------------------ 4.2 one-head decode
@@ -156,18 +165,23 @@ def _judge_decode(learner: Callable, c: tuple) -> str | None:
 def check_decode_one_head(fn: Callable) -> Verdict:
     """Exercise 4.2: ``decode_one_head(q, key_cache, value_cache, block_table, seq_len)`` ->
     ``[head_dim]`` float32: one query head's attention over the sequence's cached tokens."""
-    return run_cases("4.2 decode_one_head", fn, [(c,) for c in decode_cases()], _judge_decode)
+    return judge_cases("4.2 decode_one_head", fn, [(c,) for c in decode_cases()],
+                       _judge_decode, lambda c: _where(c[0]), needs_triton=True)
 
 
 # ------------------------------------------------------------------ 4.3 the split-K merge
 def _merge_cases() -> list[tuple]:
+    """Two key ranges of one attention, each as (out, lse); the last three: scores in the
+    hundreds (exp overflows without the maximum), an empty range, two empty ranges."""
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for heads, split in ((1, 3), (4, 1), (4, 7), (2, 5)):
-        scores = torch.randn(heads, 8, generator=gen) * 3
-        values = torch.randn(8, 4, generator=gen)
+    for heads, keys, head_dim, split, scale in ((1, 8, 4, 3, 3), (4, 8, 4, 1, 3),
+                                                (4, 8, 4, 7, 3), (2, 8, 4, 5, 3),
+                                                (3, 16, 16, 9, 40)):
+        scores = torch.randn(heads, keys, generator=gen) * scale
+        values = torch.randn(keys, head_dim, generator=gen)
         parts = []
-        for cols in (slice(0, split), slice(split, 8)):
+        for cols in (slice(0, split), slice(split, keys)):
             s = scores[:, cols]
             parts += [torch.softmax(s, -1) @ values[cols], torch.logsumexp(s, -1)]
         cases.append(tuple(parts))
@@ -176,10 +190,11 @@ def _merge_cases() -> list[tuple]:
                   torch.full((2,), float("-inf"))))   # second split saw no keys
     cases.append((torch.zeros(2, 4), torch.tensor([0.5, float("-inf")]), torch.zeros(2, 4),
                   torch.full((2,), float("-inf"))))   # head 1: neither split saw a key
-    return cases
+    return [tuple(t.contiguous().to(BACKEND.device) for t in case) for case in cases]
 
 
 def _judge_merge(got, case: tuple) -> str | None:
+    case = tuple(t.cpu() for t in case)
     out_a, lse_a, out_b, lse_b = case
     want_out, want_lse = reference.merge_attn_states(*case)
     if not (isinstance(got, (tuple, list)) and len(got) == 2
@@ -187,8 +202,12 @@ def _judge_merge(got, case: tuple) -> str | None:
             and got[0].shape == want_out.shape and got[1].shape == want_lse.shape):
         return (f"expected (out, lse) of shapes {tuple(want_out.shape)} and "
                 f"{tuple(want_lse.shape)}, got {got!r:.80}")
+    got = (got[0].cpu(), got[1].cpu())
     for h in range(want_lse.shape[0]):
         part = (f"head {h} (lse_a = {lse_a[h].item():.4f}, lse_b = {lse_b[h].item():.4f})")
+        if got[1][h].isnan():
+            return (f"{part}: lse is NaN; both parts are empty here, so max(lse_a, lse_b) is "
+                    "-inf and lse_x - max is -inf - -inf: subtract 0 there instead")
         if not torch.allclose(got[1][h], want_lse[h], atol=1e-5, equal_nan=False) and not (
                 torch.isinf(want_lse[h]) and got[1][h] == want_lse[h]):
             return (f"{part}: lse = {got[1][h].item():.4f}, want {want_lse[h].item():.4f} "
@@ -204,101 +223,10 @@ def _judge_merge(got, case: tuple) -> str | None:
 
 def check_merge_attn_states(learner: Callable) -> Verdict:
     """Exercise 4.3: ``merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``."""
-    cases = _merge_cases()
-    passed, first = 0, None
-    for case in cases:
-        try:
-            problem = _judge_merge(learner(*case), case)
-        except NotImplementedError:
-            return Verdict("4.3 merge_attn_states", 0, len(cases), attempted=False)
-        except Exception as exc:  # a learner's bug is a verdict
-            problem = f"raised {type(exc).__name__}: {exc}"
-        passed += problem is None
-        first = first or problem
-    return Verdict("4.3 merge_attn_states", passed, len(cases), first)
-
-
-# ------------------------------------------------------------------ plausible wrong answers
-if BACKEND.uses_triton:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _gather_wrong(k_cache, v_cache, table, k_out, v_out, BLOCK_SIZE: tl.constexpr,
-                      ROW: tl.constexpr, ROW_PAD: tl.constexpr, MODE: tl.constexpr):
-        pos = tl.program_id(0)
-        if MODE == 0:                  # the logical block taken for the physical one
-            slot = pos
-        else:                          # the table entry taken for a slot, not a block
-            slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) + pos % BLOCK_SIZE
-        cols = tl.arange(0, ROW_PAD)
-        keep = cols < ROW
-        tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols, mask=keep),
-                 mask=keep)
-        tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols, mask=keep),
-                 mask=keep)
-
-    @triton.jit
-    def _decode_wrong(q_ptr, k_cache, v_cache, table, out_ptr, seq_len, scale,
-                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RESCALE: tl.constexpr):
-        d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + d)
-        m = tl.full([], float("-inf"), tl.float32)
-        total = tl.full([], 0.0, tl.float32)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        for logical in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
-            page = tl.load(table + logical).to(tl.int64)
-            offs = tl.arange(0, BLOCK_SIZE)
-            valid = logical * BLOCK_SIZE + offs < seq_len
-            rows = (page * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
-            k = tl.load(k_cache + rows, mask=valid[:, None], other=0.0)
-            if RESCALE:
-                v = tl.load(v_cache + rows)            # only the scores are masked
-            else:
-                v = tl.load(v_cache + rows, mask=valid[:, None], other=0.0)
-            s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            p = tl.exp(s - m_new)
-            if RESCALE:
-                total = total * tl.exp(m - m_new) + tl.sum(p, axis=0)
-                acc = acc * tl.exp(m - m_new) + tl.sum(p[:, None] * v, axis=0)
-            else:                                      # forgets exp(m - m_new)
-                total = total + tl.sum(p, axis=0)
-                acc = acc + tl.sum(p[:, None] * v, axis=0)
-            m = m_new
-        tl.store(out_ptr + d, acc / total)
-
-
-def _gather_with(mode: int) -> Callable:
-    def gather_kv(key_cache, value_cache, block_table, seq_len):
-        _, bs, heads, head_dim = key_cache.shape
-        k = torch.empty(seq_len, heads, head_dim, device=key_cache.device)
-        v = torch.empty_like(k)
-        _gather_wrong[(seq_len,)](key_cache, value_cache, block_table, k, v, BLOCK_SIZE=bs,
-                                  ROW=heads * head_dim,
-                                  ROW_PAD=triton.next_power_of_2(heads * head_dim), MODE=mode)
-        return k, v
-    return gather_kv
-
-
-def _decode_with(rescale: bool) -> Callable:
-    def decode_one_head(q, key_cache, value_cache, block_table, seq_len):
-        out = torch.empty(q.shape[0], device=q.device)
-        _decode_wrong[(1,)](q, key_cache, value_cache, block_table, out, seq_len,
-                            q.shape[0] ** -0.5, BLOCK_SIZE=key_cache.shape[1],
-                            HEAD_DIM=q.shape[0], RESCALE=rescale)
-        return out
-    return decode_one_head
-
-
-def _merge_average(out_a, lse_a, out_b, lse_b):
-    return (out_a + out_b) / 2, torch.maximum(lse_a, lse_b)
-
-
-def _merge_nan_when_both_empty(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    return (torch.exp(lse_a - lse).unsqueeze(-1) * out_a
-            + torch.exp(lse_b - lse).unsqueeze(-1) * out_b, lse)
+    return judge_cases("4.3 merge_attn_states", learner, _merge_cases(),
+                       lambda fn, case: _judge_merge(fn(*case), case),
+                       lambda case: f"merging parts of shape {tuple(case[0].shape)}",
+                       needs_triton=True)
 
 
 EXERCISES = Exercises(
@@ -312,7 +240,8 @@ EXERCISES = Exercises(
         "Launch seq_len programs: the -1 entries past the last block are then never read. "
         "Then read load_pages and load_kv_tile in course_lib/kernels/paged_load.py: the same "
         "address, for a tile of tokens at once and with every stride passed in.",
-    ), solution=solutions.gather_kv, wrong=(_gather_with(0), _gather_with(1)),
+    ), solution=solutions.gather_kv, wrong=(_gather_with(0), _gather_with(1),
+                                                     _gather_in_torch),
         needs_triton=True),
     Exercise("4.2", "the online-softmax decode loop as a Triton kernel", check_decode_one_head,
              hints=(
@@ -326,19 +255,25 @@ EXERCISES = Exercises(
         "sum(exp(s - m_new)) and sum(exp(s - m_new)[:, None] * v, 0); store acc / l. Then "
         "read the loop of course_lib/kernels/paged_decode.py: the same loop for a tile of "
         "tokens and a group of query heads, in base 2.",
-    ), solution=solutions.decode_one_head, wrong=(_decode_with(False), _decode_with(True)),
+    ), solution=solutions.decode_one_head, wrong=(_decode_with(False), _decode_with(True),
+                                                     _decode_with_course_kernel),
         needs_triton=True),
-    Exercise("4.3", "merging two partial attentions", check_merge_attn_states, hints=(
-        "Each part is softmax-normalised over its own keys; exp(lse_a) and exp(lse_b) are the "
-        "two denominators. The union's denominator is their sum: lse = logaddexp(lse_a, lse_b).",
-        "out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b (unsqueeze the weights over "
-        "head_dim). When both parts are empty, lse = -inf and -inf - -inf is NaN: subtract 0 "
-        "there instead.",
-        "Compare with reference.merge_attn_states in course_lib/kernels/reference.py, and with "
+    Exercise("4.3", "the split-K merge as a Triton kernel", check_merge_attn_states, hints=(
+        "One program per head (grid (num_heads,)): h = tl.program_id(0) loads lse_a[h] and "
+        "lse_b[h] (scalars) and the HEAD_DIM values of out_a and out_b at h * HEAD_DIM + "
+        "tl.arange(0, HEAD_DIM). exp(lse_a) and exp(lse_b) are the two parts' denominators; "
+        "the union's is their sum.",
+        "lse = m + log(exp(lse_a - m) + exp(lse_b - m)) with m = max(lse_a, lse_b), so no exp "
+        "overflows; out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b. When both parts "
+        "are empty m is -inf, and -inf - -inf is NaN: tl.where(m == float('-inf'), 0.0, m), and "
+        "the same for lse before the weights.",
+        "Compare with reference.merge_attn_states in course_lib/kernels/reference.py, then read "
         "the reduce kernel of course_lib/kernels/paged_decode.py, which merges any number of "
-        "splits in base 2.",
+        "splits in base 2. vLLM 0.33.0's merge_attn_states_kernel "
+        "(vllm/v1/attention/ops/triton_merge_attn_states.py) is this kernel with a program "
+        "per (token, head): it too gives zeros and lse = -inf when both sides are empty.",
     ), solution=solutions.merge_attn_states,
-        wrong=(_merge_average, _merge_nan_when_both_empty)),
+        wrong=(_merge_average, _merge_nan_when_both_empty, _merge_in_torch), needs_triton=True),
 )
 
 

@@ -1,24 +1,40 @@
-"""Chapter 07 exercises: chunked prefill, the victim, recompute or swap, one scheduling step.
+"""Chapter 07 exercises: chunked prefill, one V0 decode step with its victims, swap out and
+swap in, recompute or swap, one V1 scheduling step.
 
-References run the library: the real ``Scheduler`` for the chunks, ``last_arrived_first`` for
-the victim, ``CostModel`` for the preemption choice, and V1's ``SchedulerV1.schedule()`` (set
-up in the state a case describes) for one whole step with budgets, chunks and preemption.
+References run the library: the real ``Scheduler`` for the chunks (7.1) and for the V0 step
+(7.2, in ``ch07_swap``), ``CostModel`` for the preemption choice (7.3), and V1's
+``SchedulerV1.schedule()`` for one whole step with budgets, chunks and preemption (7.4, in
+``ch07_schedule``), each set up in the state a case describes.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises.ch07_schedule import (  # noqa: F401 (7.4, re-exported)
+    _admits_after_preempting,
+    _no_chunked_prefill,
+    _preempts_the_one_that_needs,
+    check_schedule_step,
+    schedule_cases,
+    schedule_step,
+)
+from course_lib.exercises.ch07_swap import (  # noqa: F401 (7.2, re-exported)
+    WRONG,
+    check_schedule_running_and_swapped,
+    explain_step,
+    schedule_running_and_swapped,
+    swap_cases,
+)
 from course_lib.exercises.solutions import ch07 as solutions
 from course_lib.memory import cdiv
-from course_lib.scheduler import Scheduler, last_arrived_first
-from course_lib.scheduler.v1 import SchedulerV1
-from course_lib.sequence import Request, SamplingParams
+from course_lib.scheduler import Scheduler
+from course_lib.sequence import SamplingParams
 from course_lib.sim.fake_sampler import fake_samples
 from course_lib.sim.replay import CostModel
 
@@ -46,12 +62,6 @@ def prefill_chunks(prompt_len: int, max_num_batched_tokens: int, num_decoding: i
     while any(r.request_id == -1 for r in [*s.waiting, *s.running]):
         chunks += step()
     return chunks
-
-
-def pick_victim(requests: list[tuple[int, float]]) -> int:
-    """Reference: which request (id, arrival time) vLLM's default policy preempts."""
-    reqs = [Request(rid, (1,), SamplingParams(), arrival_time=t) for rid, t in requests]
-    return last_arrived_first(reqs).request_id
 
 
 def cheaper_preemption(num_tokens: int, block_size: int, kv_bytes_per_token: int,
@@ -88,16 +98,6 @@ def check_prefill_chunks(fn: Callable[[int, int, int], list[int]]) -> Verdict:
     return check("7.1 prefill_chunks", fn, prefill_chunks, cases, compare=_same_list)
 
 
-def check_pick_victim(fn: Callable[[list[tuple[int, float]]], int]) -> Verdict:
-    rng = random.Random(8)
-    cases = [([(0, 0.0)],), ([(0, 0.0), (1, 1.0), (2, 0.5)],), ([(5, 2.0), (3, 2.0)],),
-             ([(9, 0.0), (1, 3.0), (4, 3.0), (2, 1.0)],)]
-    for _ in range(20):
-        ids = rng.sample(range(100), rng.randrange(1, 8))
-        cases.append(([(i, float(rng.randrange(0, 4))) for i in ids],))
-    return check("7.2 pick_victim", fn, pick_victim, cases)
-
-
 def check_cheaper_preemption(fn: Callable[[int, int, int, float], str]) -> Verdict:
     cases = [(n, bs, kv, spt) for n in (16, 1000, 4096) for bs in (1, 16, 256)
              for kv, spt in ((524_288, 1e-4), (819_200, 1.7e-4), (131_072, 1e-4),
@@ -115,131 +115,6 @@ def check_cheaper_preemption(fn: Callable[[int, int, int, float], str]) -> Verdi
     return check("7.3 cheaper_preemption", fn, cheaper_preemption, cases)
 
 
-# ------------------------------------------------------------------ 7.4: one schedule() step
-Running = Sequence[tuple[int, int, int]]      # (request_id, num_tokens, num_computed_tokens)
-Waiting = Sequence[tuple[int, int]]           # (request_id, num_tokens)
-Decision = tuple[list[tuple[int, int]], list[int]]
-
-
-def schedule_step(running: Running, waiting: Waiting, num_free_blocks: int, block_size: int,
-                  max_num_seqs: int, max_num_batched_tokens: int) -> Decision:
-    """Reference: one ``SchedulerV1.schedule()`` (chunked prefill on, recompute, no prefix
-    cache, no watermark) from the state described: each running request holds
-    ``ceil(num_computed_tokens / block_size)`` blocks, ``num_free_blocks`` more are free.
-    Returns ``([(request_id, num_new_tokens), ...] in batch order, [preempted ids] in order)``."""
-    held = sum(cdiv(c, block_size) for _, _, c in running)
-    s = SchedulerV1(SchedulerConfig(max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=max_num_batched_tokens,
-                                    max_model_len=1 << 20),
-                    CacheConfig(block_size=block_size, num_gpu_blocks=held + num_free_blocks,
-                                watermark=0.0, enable_prefix_caching=False))
-    kvm = s.kv_cache_manager
-    for rid, n, computed in running:
-        s.add_request(rid, range(1000 * rid, 1000 * rid + n))
-        seq = s.waiting.popleft()
-        kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, computed)
-        seq.num_computed_tokens = computed
-        s.running.append(seq)
-    for rid, n in waiting:
-        s.add_request(rid, range(1000 * rid, 1000 * rid + n))
-    out = s.schedule()
-    return ([(e.request.request_id, e.num_tokens) for e in out.scheduled],
-            [rid for rid, _ in out.preempted])
-
-
-def schedule_cases(seed: int = 11, count: int = 60) -> list[tuple]:
-    """(running, waiting, num_free_blocks, block_size, max_num_seqs, max_num_batched_tokens)."""
-    cases: list[tuple] = [
-        ([(0, 9, 8), (1, 5, 4)], [(2, 30)], 10, 4, 4, 16),      # decodes, then a chunk of 14
-        ([(0, 40, 8)], [(1, 4)], 10, 4, 4, 16),                 # the budget ends the pass
-        ([(0, 9, 8), (1, 9, 8), (2, 9, 8)], [(3, 2)], 1, 4, 4, 64),   # preempt the last one
-        ([(0, 9, 8), (1, 9, 8)], [], 0, 4, 4, 64),              # preempt 1, then 0 runs
-        ([(0, 9, 8)], [(1, 1)], 0, 4, 4, 64),                   # the victim is itself
-        ([(0, 9, 8), (1, 3, 2)], [(2, 4)], 5, 4, 2, 64),        # max_num_seqs: nobody joins
-        ([(0, 5, 4)], [(1, 16), (2, 4)], 3, 4, 4, 64),          # no room: 2 may not skip ahead
-        ([(0, 17, 16), (1, 30, 6)], [(2, 8)], 1, 8, 4, 64),     # a chunk that needs 3 blocks
-        ([], [(0, 5), (1, 5), (2, 5)], 7, 2, 4, 16),            # admissions until blocks run out
-        ([(0, 2, 1)], [(1, 9)], 9, 1, 4, 1),                    # a budget of one token
-    ]
-    rng = random.Random(seed)
-    while len(cases) < count + 10:
-        bs = rng.choice([1, 2, 4, 16])
-        running = []
-        for rid in range(rng.randrange(0, 6)):
-            computed = rng.randrange(1, 50)
-            n = computed + (1 if rng.random() < 0.7 else rng.randrange(2, 40))
-            running.append((rid, n, computed))
-        free = rng.randrange(0, 8)
-        pool = sum(cdiv(c, bs) for _, _, c in running) + free
-        waiting = [(rid, rng.randrange(1, 60)) for rid in range(len(running),
-                                                                 len(running) + rng.randrange(4))]
-        if any(cdiv(n, bs) > pool for _, n in waiting) or not running + waiting:
-            continue                          # a prompt the pool can never hold is refused
-        budget = rng.randrange(1, 64) if rng.random() < 0.5 else len(running) + rng.randrange(1, 12)
-        cases.append((running, waiting, free, bs, max(1, len(running) + rng.randrange(0, 3)),
-                      budget))
-    return cases
-
-
-def _normal(decision: Any) -> Decision:
-    if not isinstance(decision, list | tuple) or len(decision) != 2:
-        raise TypeError(f"returned {decision!r}; expected a pair (scheduled, preempted)")
-    scheduled, preempted = decision
-    return [tuple(e) for e in scheduled], list(preempted)
-
-
-def _why(got: Decision, want: Decision, running: Running, waiting: Waiting) -> str:
-    """The first difference between two decisions, with the rule it breaks."""
-    (g_s, g_p), (w_s, w_p) = got, want
-    if g_p != w_p:
-        return (f"preempted {g_p}, the library {w_p} (when the pool is short the *last* running "
-                f"request is preempted, again until the blocks suffice; when the victim is the "
-                f"request itself, the pass over the running requests stops)")
-    pairs = enumerate(zip(g_s, w_s, strict=False))
-    k = next((i for i, (g, w) in pairs if g != w), min(len(g_s), len(w_s)))
-    running_ids = {rid for rid, _, _ in running}
-    if k < len(g_s) and k < len(w_s):
-        rule = ("a running request takes min(tokens it has not computed, budget left)"
-                if w_s[k][0] in running_ids else
-                "a prompt takes min(its tokens, budget left): chunked prefill")
-        return f"batch entry {k} is {g_s[k]}, the library's {w_s[k]} ({rule})"
-    if k < len(g_s):
-        rule = ("nobody joins in a step that preempted" if w_p else
-                "admissions stop at the budget, at max_num_seqs, or at the first waiting "
-                "request whose blocks do not fit (no skipping ahead)")
-        return f"batch entry {k} is {g_s[k]}, the library stops before it ({rule})"
-    rule = ("a waiting request joins while budget, max_num_seqs and free blocks allow")
-    if w_s[k][1] < dict(waiting).get(w_s[k][0], 0):
-        rule = ("chunked prefill: a prompt that does not fit the budget left takes what is left, "
-                "min(its tokens, budget left)")
-    return f"the batch stops after {k} entries, the library's goes on with {w_s[k]} ({rule})"
-
-
-def check_schedule_step(fn: Callable[..., Decision]) -> Verdict:
-    """Each case through the learner's function and the library's scheduler; a failure names
-    the state, the first differing entry of the batch or the victims, and the rule."""
-    name = "7.4 schedule_step"
-    cases = schedule_cases()
-    passed, problem = 0, None
-    for case in cases:
-        want = schedule_step(*case)
-        try:
-            got = _normal(fn(*case))
-        except NotImplementedError:
-            return Verdict(name, 0, len(cases), attempted=False)
-        except Exception as exc:   # a learner's bug (or a wrong shape) is a verdict
-            got, why = None, f"raised {type(exc).__name__}: {exc}"
-        else:
-            why = None if got == want else _why(got, want, case[0], case[1])
-        if why is None:
-            passed += 1
-        elif problem is None:
-            running, waiting, free, bs, seqs, tokens = case
-            problem = (f"running {running}, waiting {waiting}, {free} free blocks of {bs}, "
-                       f"max_num_seqs {seqs}, max_num_batched_tokens {tokens}: {why}")
-    return Verdict(name, passed, len(cases), problem)
-
-
 # ----------------------------------------------------------------- the registry
 def _chunks_ignore_decodes(prompt_len, max_num_batched_tokens, num_decoding):
     """Wrong: forgets that the decoding requests take their tokens first."""
@@ -250,16 +125,6 @@ def _decodes_only_in_the_first_step(prompt_len, max_num_batched_tokens, num_deco
     """Wrong: takes the decodes' tokens out of the first chunk only."""
     first = min(prompt_len, max_num_batched_tokens - num_decoding)
     return [first] + solutions.prefill_chunks(prompt_len - first, max_num_batched_tokens, 0)
-
-
-def _victim_no_tiebreak(requests):
-    """Wrong: the latest arrival, but the first of a tie (the smaller id when listed so)."""
-    return max(requests, key=lambda r: r[1])[0]
-
-
-def _victim_earliest(requests):
-    """Wrong: preempts the request that arrived first (the one with the most work done)."""
-    return min(requests, key=lambda r: (r[1], r[0]))[0]
 
 
 def _swap_forgets_the_way_back(num_tokens, block_size, kv_bytes_per_token, s_per_token):
@@ -287,55 +152,6 @@ def _swap_fractional_blocks(num_tokens, block_size, kv_bytes_per_token, s_per_to
         else "swap"
 
 
-def _admits_after_preempting(running, waiting, free, bs, seqs, tokens):
-    """Wrong: lets waiting requests join in a step that preempted (with the freed blocks)."""
-    scheduled, preempted = solutions.schedule_step(running, waiting, free, bs, seqs, tokens)
-    if not preempted:
-        return scheduled, preempted
-    kept = [r for r in running if r[0] not in preempted]
-    held = sum(-(-c // bs) for _, _, c in running) + free
-    used = sum(-(-(c + n) // bs) for (rid, _, c), (_, n) in zip(kept, scheduled, strict=False))
-    more, _ = solutions.schedule_step([], waiting, held - used,
-                                      bs, seqs - len(kept), tokens - sum(n for _, n in scheduled))
-    return scheduled + more, preempted
-
-
-def _preempts_the_one_that_needs(running, waiting, free, bs, seqs, tokens):
-    """Wrong: the request short of a block gives up its own blocks (not the last one)."""
-    scheduled, preempted, budget = [], [], tokens
-    for rid, n, c in running:
-        if budget == 0:
-            break
-        num_new = min(n - c, budget)
-        need = -(-(c + num_new) // bs) - -(-c // bs)
-        if need > free:
-            preempted.append(rid)
-            free += -(-c // bs)
-            continue
-        free, budget = free - need, budget - num_new
-        scheduled.append((rid, num_new))
-    if not preempted:
-        more, _ = solutions.schedule_step([], waiting, free, bs, seqs - len(running), budget)
-        scheduled += more
-    return scheduled, preempted
-
-
-def _no_chunked_prefill(running, waiting, free, bs, seqs, tokens):
-    """Wrong: a prompt joins only if all of it fits the budget left (chunked prefill off)."""
-    scheduled, preempted = solutions.schedule_step(running, [], free, bs, seqs, tokens)
-    if preempted:
-        return scheduled, preempted
-    budget = tokens - sum(n for _, n in scheduled)
-    free -= sum(-(-(c + n) // bs) - -(-c // bs) for (_, n), (_, _, c) in
-                zip(scheduled, running, strict=False))
-    for rid, n in waiting[:max(0, seqs - len(running))]:
-        if n > budget or -(-n // bs) > free:
-            break
-        scheduled.append((rid, n))
-        budget, free = budget - n, free - -(-n // bs)
-    return scheduled, preempted
-
-
 EXERCISES = Exercises(
     Exercise("7.1", "prefill_chunks", check_prefill_chunks, hints=(
         "Every step has max_num_batched_tokens tokens; who takes theirs first?",
@@ -345,12 +161,21 @@ EXERCISES = Exercises(
         "Scheduler._schedule_prefill in course_lib/scheduler/scheduler.py).",
     ), solution=solutions.prefill_chunks, wrong=(_chunks_ignore_decodes,
                                                  _decodes_only_in_the_first_step)),
-    Exercise("7.2", "pick_victim", check_pick_victim, hints=(
-        "The victim is the request that arrived last: the one that has done the least work.",
-        "Two requests can arrive at the same time; then the larger id counts as later. A key "
-        "of (arrival_time, request_id) orders both at once.",
-        "Read last_arrived_first in course_lib/scheduler/policy.py.",
-    ), solution=solutions.pick_victim, wrong=(_victim_no_tiebreak, _victim_earliest)),
+    Exercise("7.2", "one V0 decode step: victims, swap out, swap in",
+             check_schedule_running_and_swapped, hints=(
+        "Two passes. First the running requests, sorted by (arrival_time, request_id): each "
+        "needs a new block only when num_computed_tokens % block_size == 0. Then, only if "
+        "nobody was preempted, the swapped requests in the same order.",
+        "Short of a block: pop the last request of the sorted queue still to be served (itself "
+        "if none is left), free its cdiv(num_computed_tokens, block_size) GPU blocks, and "
+        "record (id, 'swap') if the mode is swap and the free CPU blocks hold all of them "
+        "(they are then used up), else (id, 'recompute'). A request that was its own victim "
+        "does not decode. A swapped request comes back if the free GPU blocks cover "
+        "cdiv(num_computed_tokens + 1, block_size); the first that does not fit stops.",
+        "Read Scheduler.schedule, _preempt and _schedule_swapped in "
+        "course_lib/scheduler/scheduler.py, and can_swap_out / swap_in_need in "
+        "course_lib/memory/swap.py.",
+    ), solution=solutions.schedule_running_and_swapped, wrong=WRONG),
     Exercise("7.3", "cheaper_preemption", check_cheaper_preemption, hints=(
         "Recompute costs num_tokens x s_per_token. Swap moves whole blocks, and moves them "
         "twice: out now, back in later.",

@@ -1,5 +1,5 @@
 """Exercises of chapter 08 (capacity planning): the smallest TP size for a load, KV heads per
-rank, requests per pool.
+rank, how many requests of a mix of lengths a pool runs at once (8.3, in ``ch08_requests``).
 
 As in ch01, reference_* is the library's answer (course_lib.capacity) and check_* compares a
 learner's function with it on many cases. Some cases have no answer: the library raises
@@ -18,6 +18,16 @@ from typing import Any
 from course_lib import capacity as cap
 from course_lib.capacity import GiB
 from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises.ch08_requests import (  # noqa: F401 (8.3, re-exported)
+    _average_request,
+    _last_token_cached,
+    _mix_tokens_not_blocks,
+    _reserve_final_size,
+    blocks_by_step,
+    check_max_num_requests,
+    reference_max_num_requests,
+    request_cases,
+)
 from course_lib.exercises.solutions import ch08 as solutions
 
 RAISES = "raises ValueError"
@@ -48,20 +58,6 @@ HEAD_CASES = [
     (8, 12), (6, 4), (8, 0),
 ]
 
-# (num_gpu_blocks, block_size, max_model_len)
-REQUEST_CASES = [
-    (29_205, 16, 8192),        # Llama-3-8B on 80 GiB
-    (3_258, 16, 32_768),       # the DeepSeek-V3 pool of "Block Manager tutorial" §9
-    (100, 16, 20),             # each request takes 2 blocks = 32 slots, not 20: 50, not 80
-    (100, 16, 16), (100, 16, 17),
-    (100, 32, 1),              # one token still takes a whole block
-    (0, 16, 4096),             # empty pool
-    (10, 16, 4096),            # the pool holds less than one request
-    (83_558, 16, 131_072),
-    (1, 8, 8),
-]
-
-
 def raises_as_value(fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn, with ValueError turned into the result RAISES (NotImplementedError passes through)."""
     def wrapped(*args: Any) -> Any:
@@ -90,11 +86,6 @@ def reference_kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) ->
     """
     spec = cap.ModelSpec("exercise", 1, num_kv_heads * 64, num_kv_heads, 128, num_params=1)
     return cap.kv_heads_per_rank(spec, tensor_parallel_size)
-
-
-def reference_max_num_requests(num_gpu_blocks: int, block_size: int, max_model_len: int) -> int:
-    """Requests of max_model_len tokens that fit at once: each holds whole blocks."""
-    return num_gpu_blocks // cap.num_blocks_for_tokens(max_model_len, block_size)
 
 
 def reference_smallest_tp(num_layers: int, num_attention_heads: int, num_kv_heads: int,
@@ -164,11 +155,6 @@ def check_kv_heads_per_rank(fn: Callable[[int, int], int]) -> Verdict:
                  raises_as_value(reference_kv_heads_per_rank), HEAD_CASES)
 
 
-def check_max_num_requests(fn: Callable[[int, int, int], int]) -> Verdict:
-    return check("8.3 max_num_requests", raises_as_value(fn),
-                 raises_as_value(reference_max_num_requests), REQUEST_CASES)
-
-
 # ----------------------------------------------------------------- the registry
 def _weights_not_split(L, H, KV, D, P, gib, max_len, n):
     """Wrong: every rank holds all the weights."""
@@ -222,15 +208,18 @@ EXERCISES = Exercises(
         "Read kv_heads_per_rank in course_lib/capacity.py (it also handles MLA).",
     ), solution=solutions.kv_heads_per_rank, wrong=(lambda h, tp: h // tp,
                                                     lambda h, tp: max(1, h // tp))),
-    Exercise("8.3", "max_num_requests", check_max_num_requests, hints=(
-        "A request holds whole blocks: how many blocks does max_model_len take?",
-        "ceil(max_model_len / block_size) blocks per request, then how many of those fit "
-        "in the pool (a floor).",
-        "Read num_blocks_for_tokens and max_concurrency in course_lib/capacity.py (vLLM logs "
-        "the token-based figure, which differs when max_model_len is not a multiple of the "
-        "block size).",
-    ), solution=solutions.max_num_requests, wrong=(lambda n, bs, L: n * bs // L,
-                                                   lambda n, bs, L: n // max(1, L // bs))),
+    Exercise("8.3", "max_num_requests for a mix of lengths", check_max_num_requests, hints=(
+        "Do not look for a formula: simulate. Keep a list need[s], the blocks the admitted "
+        "requests hold in step s, and add the requests one at a time, in order.",
+        "Request (p, o) adds cdiv(p + s, block_size) to need[s] for s in range(o), nothing "
+        "after (it has left). Stop at the first request that pushes max(need) over "
+        "num_gpu_blocks: the answer is the number admitted before it.",
+        "cdiv(x, bs) is -(-x // bs). Then read max_concurrency in course_lib/capacity.py, "
+        "vLLM's figure for requests that all reach max_model_len, and Scheduler.schedule in "
+        "course_lib/scheduler/scheduler.py, where append_decode asks for these blocks one "
+        "step at a time and preempts when they run out.",
+    ), solution=solutions.max_num_requests,
+        wrong=(_reserve_final_size, _mix_tokens_not_blocks, _last_token_cached, _average_request)),
 )
 
 

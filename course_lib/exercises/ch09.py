@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
 from course_lib.exercises.solutions import ch09 as solutions
 from course_lib.parallel.cp_decode import CPCase
 from course_lib.parallel.merge import partial_attention
@@ -46,24 +46,9 @@ def _layout(interleave_size: int) -> str:
     return (f"interleaved by {interleave_size}" if interleave_size else "contiguous")
 
 
-def _run(name: str, fn: Callable, cases: list[tuple], judge: Callable) -> Verdict:
-    """Each case: ``judge(case, answer) -> problem or None``; stubs are not attempted."""
-    passed, problem = 0, None
-    for case in cases:
-        try:
-            got = fn(*case)
-        except NotImplementedError:
-            return Verdict(name, 0, len(cases), attempted=False)
-        except Exception as exc:
-            problem = problem or f"{judge(case, None, describe=True)}: raised " \
-                                 f"{type(exc).__name__}: {exc}"
-            continue
-        issue = judge(case, got)
-        if issue is None:
-            passed += 1
-        elif problem is None:
-            problem = issue
-    return Verdict(name, passed, len(cases), problem)
+def _where(judge: Callable) -> Callable[[tuple], str]:
+    """A case in words, as its judge says it (``describe=True``)."""
+    return lambda case: judge(case, None, describe=True)
 
 
 def _judge_places(case: tuple, got, describe: bool = False) -> str | None:
@@ -100,7 +85,8 @@ def check_place_tokens(fn: Callable[[int, int, int, int], list[list[int]]]) -> V
              (16, 4, 4, 0), (7, 5, 3, 3), (1, 1, 2, 0), (30, 4, 2, 2), (37, 2, 4, 4)]
     cases += [(rng.randint(1, 40), rng.randint(0, 12), rng.randint(1, 8),
                rng.choice([0, 0, 1, 2, 4])) for _ in range(20)]
-    return _run("9.1 place_tokens", fn, cases, _judge_places)
+    return judge_cases("9.1 place_tokens", fn, cases, returns(_judge_places),
+                       _where(_judge_places))
 
 
 def cp_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: list[int],
@@ -171,7 +157,8 @@ def _judge_decode(case: tuple, got, describe: bool = False) -> str | None:
 
 
 def check_cp_decode(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Verdict:
-    return _run("9.2 cp_decode", fn, _decode_cases(), _judge_decode)
+    return judge_cases("9.2 cp_decode", fn, _decode_cases(), returns(_judge_decode),
+                       _where(_judge_decode))
 
 
 def max_decode_steps(prompt_len: int, cp_size: int, interleave_size: int,
@@ -215,7 +202,8 @@ def check_max_decode_steps(fn: Callable[[int, int, int, int, int], int]) -> Verd
         prompt = rng.randint(1, cp * blocks * bs)
         if max(map(len, place_tokens(prompt, 0, cp, inter))) <= blocks * bs:   # it fits
             cases.append((prompt, cp, inter, blocks, bs))
-    return _run("9.3 max_decode_steps", fn, cases, _judge_steps)
+    return judge_cases("9.3 max_decode_steps", fn, cases, returns(_judge_steps),
+                       _where(_judge_steps))
 
 
 # ---------------------------------------------------------------- plausible wrong answers

@@ -24,7 +24,7 @@ from course_lib import capacity as cap
 from course_lib.claims.sources import cite
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import PAPER_SHARING_SAVINGS, saving_of_tables, sharing_savings
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, check, judge_cases, returns
 from course_lib.exercises.solutions import ch10 as solutions
 from course_lib.scheduler.metrics import Metrics
 from course_lib.sequence import SamplingParams
@@ -147,42 +147,33 @@ def _flatten_cases() -> list[list[Entry]]:
     return cases
 
 
+def _judge_flatten(case: tuple, got) -> str | None:
+    (entries,) = case
+    want_pos, want_rows = flatten_step(entries)
+    got_pos, got_rows = got
+    got_pos, got_rows = [int(p) for p in got_pos], list(got_rows)
+    if got_pos == want_pos and got_rows == want_rows:
+        return None
+    start = 0
+    for i, (n, c, q) in enumerate(entries):
+        where = f"batch {entries}, entry {i} (num_tokens={n}, computed={c}, new={q})"
+        if got_pos[start:start + q] != want_pos[start:start + q]:
+            return (f"{where}: positions at rows {start}..{start + q - 1} are "
+                    f"{got_pos[start:start + q]}, should be {c}..{c + q - 1}")
+        if i >= len(got_rows) or got_rows[i] != want_rows[i]:
+            g = got_rows[i] if i < len(got_rows) else "missing"
+            why = ("its chunk stops before the last token, so it samples nothing"
+                   if want_rows[i] is None else "the row of its last new token")
+            return f"{where}: sample row {g}, should be {want_rows[i]} ({why})"
+        start += q
+    return (f"batch {entries}: {len(got_pos)} positions and {len(got_rows)} rows, should be "
+            f"{len(want_pos)} and {len(want_rows)}")
+
+
 def check_flatten_step(fn: Callable[[list[Entry]], tuple[list[int], list[int | None]]]
                        ) -> Verdict:
-    cases = _flatten_cases()
-    passed, problem = 0, None
-    for entries in cases:
-        want_pos, want_rows = flatten_step(entries)
-        try:
-            got_pos, got_rows = fn([tuple(e) for e in entries])
-            got_pos, got_rows = [int(p) for p in got_pos], list(got_rows)
-        except NotImplementedError:
-            return Verdict("10.1 flatten_step", 0, len(cases), attempted=False)
-        except Exception as exc:
-            problem = problem or f"batch {entries}: raised {type(exc).__name__}: {exc}"
-            continue
-        if got_pos == want_pos and got_rows == want_rows:
-            passed += 1
-            continue
-        if problem is None:
-            start = 0
-            for i, (n, c, q) in enumerate(entries):
-                where = f"batch {entries}, entry {i} (num_tokens={n}, computed={c}, new={q})"
-                if got_pos[start:start + q] != want_pos[start:start + q]:
-                    problem = (f"{where}: positions at rows {start}..{start + q - 1} are "
-                               f"{got_pos[start:start + q]}, should be {c}..{c + q - 1}")
-                    break
-                if i >= len(got_rows) or got_rows[i] != want_rows[i]:
-                    g = got_rows[i] if i < len(got_rows) else "missing"
-                    why = ("its chunk stops before the last token, so it samples nothing"
-                           if want_rows[i] is None else "the row of its last new token")
-                    problem = f"{where}: sample row {g}, should be {want_rows[i]} ({why})"
-                    break
-                start += q
-            problem = problem or (f"batch {entries}: {len(got_pos)} positions and "
-                                  f"{len(got_rows)} rows, should be {len(want_pos)} and "
-                                  f"{len(want_rows)}")
-    return Verdict("10.1 flatten_step", passed, len(cases), problem)
+    return judge_cases("10.1 flatten_step", fn, [(e,) for e in _flatten_cases()],
+                       returns(_judge_flatten), lambda case: f"batch {case[0]}")
 
 
 Beam = tuple[list[int], float]                       # (generated tokens, cumulative logprob)
@@ -228,40 +219,31 @@ def _say(beam) -> str:
     return f"beam {parent} + token {tokens[-1] if tokens else '?'} (score {score:.4f})"
 
 
+def _judge_beams(case: tuple, got) -> str | None:
+    beams, logits, width = case
+    want = beam_step(*case)
+    got = [(list(map(int, t)), float(s), int(p)) for t, s, p in got]
+
+    def same_beam(g, w) -> bool:
+        return g[0] == w[0] and g[2] == w[2] and math.isclose(g[1], w[1], abs_tol=1e-6)
+
+    if len(got) == len(want) and all(map(same_beam, got, want)):
+        return None
+    where = f"beams {beams} (tokens, score), width {width}"
+    if len(got) != len(want):
+        return (f"{where}: {len(got)} beams kept, should be {len(want)} (the width best "
+                "candidates over all beams, fewer only if the vocabulary is smaller)")
+    i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not same_beam(g, w))
+    problem = f"{where}: new beam {i} is {_say(got[i])}, should be {_say(want[i])}"
+    if (got[i][0], got[i][2]) == (want[i][0], want[i][2]) and math.isclose(
+            got[i][1], want[i][1] - beams[want[i][2]][1], abs_tol=1e-6):
+        problem += ": scores are cumulative (add the parent beam's score)"
+    return problem
+
+
 def check_beam_step(fn: Callable[..., list[tuple[list[int], float, int]]]) -> Verdict:
-    cases = _beam_cases()
-    passed, problem = 0, None
-    for beams, logits, width in cases:
-        want = beam_step(beams, logits, width)
-        try:
-            got = fn([(list(t), s) for t, s in beams], [list(r) for r in logits], width)
-            got = [(list(map(int, t)), float(s), int(p)) for t, s, p in got]
-        except NotImplementedError:
-            return Verdict("10.2 beam_step", 0, len(cases), attempted=False)
-        except Exception as exc:
-            problem = problem or (f"beams {beams}, width {width}: raised "
-                                  f"{type(exc).__name__}: {exc}")
-            continue
-        if len(got) == len(want) and all(
-                g[0] == w[0] and g[2] == w[2] and math.isclose(g[1], w[1], abs_tol=1e-6)
-                for g, w in zip(got, want, strict=True)):
-            passed += 1
-            continue
-        if problem is None:
-            where = f"beams {beams} (tokens, score), width {width}"
-            if len(got) != len(want):
-                problem = (f"{where}: {len(got)} beams kept, should be {len(want)} (the "
-                           "width best candidates over all beams, fewer only if the "
-                           "vocabulary is smaller)")
-            else:
-                i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True))
-                         if g[0] != w[0] or g[2] != w[2] or not math.isclose(g[1], w[1],
-                                                                           abs_tol=1e-6))
-                problem = f"{where}: new beam {i} is {_say(got[i])}, should be {_say(want[i])}"
-                if (got[i][0], got[i][2]) == (want[i][0], want[i][2]) and math.isclose(
-                        got[i][1], want[i][1] - beams[want[i][2]][1], abs_tol=1e-6):
-                    problem += ": scores are cumulative (add the parent beam's score)"
-    return Verdict("10.2 beam_step", passed, len(cases), problem)
+    return judge_cases("10.2 beam_step", fn, _beam_cases(), returns(_judge_beams),
+                       lambda case: f"beams {case[0]}, width {case[2]}")
 
 
 def sharing_saving(tables: list[list[int]]) -> float:

@@ -7,10 +7,14 @@
   ``blocks_to_copy`` on ``eng.gpu_caches`` / ``eng.cpu_caches`` (one ``(key, value)`` pair per
   layer), in the order the block manager's contract requires. The checker tries it on cache
   states where the order matters, then plugs it into the engine.
+* 11.3 ``serving_metrics(records, percentile)``: TTFT, TPOT, ITL and end-to-end latency of a
+  served workload, means and percentiles as vLLM's benchmark client reports them (checker in
+  :mod:`course_lib.exercises.ch11_serving`, with :class:`TokenTimes` to record a run).
 
-Both checkers run the greedy step loop (:func:`run_loop`) on :data:`WORKLOADS` (forks with
-copy-on-write, swap and recompute preemption) and compare it step by step with the loop run
-on the library's parts; a difference names the step and what that step did to the cache.
+11.1 and 11.2's checkers run the greedy step loop (:func:`run_loop`) on :data:`WORKLOADS`
+(forks with copy-on-write, swap and recompute preemption) and compare it step by step with the
+loop run on the library's parts; a difference names the step and what that step did to the
+cache.
 ``tests/test_engine_chapters.py`` checks that the reference loop equals ``LLMEngine``.
 """
 
@@ -27,6 +31,8 @@ from course_lib import capacity as cap
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Exercise, Exercises, Verdict
 from course_lib.exercises import capstone_checks as checks
+from course_lib.exercises import ch11_serving as serving
+from course_lib.exercises.ch11_serving import TokenTimes, check_serving_metrics  # noqa: F401
 from course_lib.exercises.solutions import ch11 as solutions
 from course_lib.kernels.cache_ops import swap_blocks
 from course_lib.kernels.reference import copy_blocks_ref
@@ -226,6 +232,20 @@ EXERCISES = Exercises(
         "swap_blocks / copy_blocks in course_lib/kernels/cache_ops.py.",
     ), solution=solutions.cache_ops, wrong=checks.WRONG_CACHE_OPS,
         trivial=(lambda *a: None,)),
+    Exercise("11.3", "serving_metrics", check_serving_metrics, hints=(
+        "Per request: TTFT = times[0] - sent and E2EL = times[-1] - sent. The gaps "
+        "between consecutive token times are its inter-token latencies; put every request's "
+        "gaps in one list.",
+        "A request's TPOT is (times[-1] - times[0]) / (len(times) - 1), and only requests "
+        "with at least two tokens have one. Report np.mean(xs) and np.percentile(xs, "
+        "percentile) (linear interpolation, not the nearest rank), times 1000 for "
+        "milliseconds; an empty list counts as [0].",
+        "Read calculate_metrics in vLLM's vllm/benchmarks/serve.py, then the course's "
+        "Metrics.observe_step / observe_finished in course_lib/scheduler/metrics.py: the "
+        "histograms vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds and "
+        "vllm:request_time_per_output_token_seconds record the same quantities.",
+    ), solution=solutions.serving_metrics, wrong=serving.WRONG,
+        trivial=(lambda *a: None, lambda *a: {n: (0.0, 0.0) for n in serving.NAMES})),
 )
 
 

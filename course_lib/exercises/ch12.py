@@ -1,7 +1,9 @@
-"""Chapter 12 exercises: vLLM V1's free-block queue, and SGLang's token-level prefix match.
+"""Chapter 12 exercises: vLLM V1's free-block queue, SGLang's token-level prefix match, and
+V1's ``allocate_slots`` (its checker is in :mod:`course_lib.exercises.ch12_allocate`).
 
-References run the library's ``BlockPool`` (V1) and ``RadixCache`` (SGLang) on the same input;
-feedback names the first queue position (and the block's kind) or the prompt that differs.
+References run the library's ``BlockPool`` (V1), ``RadixCache`` (SGLang) and ``KVCacheManager``
+on the same input; feedback names the first queue position (and the block's kind), the prompt,
+or the operation and the room it had, that differs.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises.ch12_allocate import check_allocate_slots
 from course_lib.exercises.solutions import ch12 as solutions
 from course_lib.memory.block_pool import BlockPool
 from course_lib.memory.radix_cache import RadixCache
@@ -47,23 +50,21 @@ def check_free_queue_after(fn: Callable[[list[int], list[tuple[int, bool]]], lis
         cached_prefix = rng.randint(0, len(ids) - split)
         table = [(b, i < cached_prefix) for i, b in enumerate(ids[split:])]
         cases.append((queue, table))
-    passed, problem = 0, None
-    for queue, table in cases:
+
+    def judge(case: tuple, got) -> str | None:
+        queue, table = case
         want = free_queue_after(queue, table)
-        try:
-            got = [int(b) for b in fn(list(queue), list(table))]
-        except NotImplementedError:
-            return Verdict("12.1 free_queue_after", 0, len(cases), attempted=False)
-        except Exception as exc:
-            problem = problem or (f"queue {queue}, freeing {table}: raised "
-                                  f"{type(exc).__name__}: {exc}")
-            continue
+        if not isinstance(got, (list, tuple)):
+            return (f"queue {queue}, freeing {table}: returned {got!r}, a list of block ids "
+                    "(front first) was expected")
+        got = [int(b) for b in got]
         if got == want:
-            passed += 1
-        elif problem is None:
-            problem = f"queue {queue}, freeing {table} ((block, cached)): " + _queue_diff(
-                got, want, dict(table))
-    return Verdict("12.1 free_queue_after", passed, len(cases), problem)
+            return None
+        return (f"queue {queue}, freeing {table} ((block, cached)): "
+                + _queue_diff(got, want, dict(table)))
+
+    return judge_cases("12.1 free_queue_after", fn, cases, returns(judge),
+                       lambda c: f"queue {c[0]}, freeing {c[1]}")
 
 
 def _queue_diff(got: list[int], want: list[int], cached: dict[int, bool]) -> str:
@@ -100,33 +101,88 @@ def check_radix_hit(fn: Callable[[list[int], list[list[int]], int], int]) -> Ver
         earlier = [[rng.randrange(3) for _ in range(rng.randint(1, 12))]
                    for _ in range(rng.randint(0, 4))]
         cases.append(([rng.randrange(3) for _ in range(rng.randint(1, 12))], earlier, page))
-    def compare(got, want):
-        return isinstance(got, int) and got == want
-
-    verdict = check("12.2 radix_hit", fn, radix_hit, cases, compare=compare)
-    if verdict.ok or not verdict.attempted:
-        return verdict
-    for prompt, earlier, page in cases:          # say it in the learner's terms
+    def judge(case: tuple, got) -> str | None:
+        prompt, earlier, page = case
         want = radix_hit(prompt, earlier, page)
-        try:
-            got = fn(list(prompt), [list(e) for e in earlier], page)
-        except Exception as exc:
-            got = f"raises {type(exc).__name__}: {exc}"
-        if not compare(got, want):
-            common = [next((i for i, (a, b) in enumerate(zip(prompt, e, strict=False))
-                            if a != b), min(len(prompt), len(e))) for e in earlier]
-            best = max(common, default=0)
-            src = f"earlier prompt {common.index(best)}" if earlier else "nothing cached"
-            problem = (f"prompt {prompt}, page_size {page}, earlier {earlier}: yours "
-                       f"{got!r}, the library {want} (longest common prefix {best} tokens, "
-                       f"with {src}; whole pages of it: {want})")
-            return Verdict(verdict.exercise, verdict.passed, verdict.total, problem)
-    return verdict
+        if isinstance(got, int) and got == want:
+            return None
+        common = [next((i for i, (a, b) in enumerate(zip(prompt, e, strict=False))
+                        if a != b), min(len(prompt), len(e))) for e in earlier]
+        best = max(common, default=0)
+        src = f"earlier prompt {common.index(best)}" if earlier else "nothing cached"
+        return (f"prompt {prompt}, page_size {page}, earlier {earlier}: yours {got!r}, the "
+                f"library {want} (longest common prefix {best} tokens, with {src}; whole "
+                f"pages of it: {want})")
+
+    return judge_cases("12.2 radix_hit", fn, cases, returns(judge),
+                       lambda c: f"prompt {c[0]}, page_size {c[2]}, earlier {c[1]}")
 
 
 def _blocks_only(prompt, earlier, page_size):        # a hash chain of 4-token blocks
     best = min(solutions.radix_hit(prompt, earlier, 1), len(prompt) - 1)
     return best - best % 4
+
+
+# ---------------------------------------------- 12.3's plausible wrong answers
+def _allocate(pool, req, n, hits, bs, watermark, *, evictable_cost=True, partial=False,
+              reserve_always=False, reserve_never=False, all_hits_cost=False,
+              touch_last=False, touch_first=False):
+    """The solution with one idea switched off or changed (the wrong answers below)."""
+    total = req.num_computed_tokens + len(hits) * bs + n
+    new = -(-total // bs) - len(req.blocks) - len(hits)
+    cost = new + (len(hits) if all_hits_cost else
+                  sum(1 for b in hits if b.ref_cnt == 0) if evictable_cost else 0)
+    reserve = 0 if reserve_never else watermark if (reserve_always or not req.blocks) else 0
+    if touch_first:                 # the free ones leave the queue: no longer counted twice
+        pool.touch(hits)
+        cost = new
+    if cost > pool.get_num_free_blocks() - reserve:
+        return None
+    if not touch_last and not touch_first:
+        pool.touch(hits)
+    fresh = pool.get_new_blocks(new)
+    if touch_last:
+        pool.touch(hits)
+    req.blocks = req.blocks + hits + fresh
+    full = -(-total // bs) if partial else total // bs
+    pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, full)
+    req.num_cached_block = full
+    return fresh
+
+
+def hits_are_free(pool, req, n, hits, bs, watermark):
+    """Wrong: a hit costs no free block, even one with ref count 0 (in the free queue)."""
+    return _allocate(pool, req, n, hits, bs, watermark, evictable_cost=False)
+
+
+def caches_partial_block(pool, req, n, hits, bs, watermark):
+    """Wrong: caches the partial last block too (ceil instead of floor)."""
+    return _allocate(pool, req, n, hits, bs, watermark, partial=True)
+
+
+def no_watermark(pool, req, n, hits, bs, watermark):
+    """Wrong: admissions may use every free block."""
+    return _allocate(pool, req, n, hits, bs, watermark, reserve_never=True)
+
+
+def watermark_always(pool, req, n, hits, bs, watermark):
+    """Wrong: holds the watermark back from running requests too."""
+    return _allocate(pool, req, n, hits, bs, watermark, reserve_always=True)
+
+
+def all_hits_cost(pool, req, n, hits, bs, watermark):
+    """Wrong: counts every hit against the free blocks, held ones too."""
+    return _allocate(pool, req, n, hits, bs, watermark, all_hits_cost=True)
+
+
+def touches_hits_last(pool, req, n, hits, bs, watermark):
+    """Wrong: takes the new blocks before touching the hits."""
+    return _allocate(pool, req, n, hits, bs, watermark, touch_last=True)
+
+
+def touches_then_checks(pool, req, n, hits, bs, watermark):
+    """Wrong: touches the hits, then finds no room and returns None (the hits stay held)."""
+    return _allocate(pool, req, n, hits, bs, watermark, touch_first=True)
 
 
 EXERCISES = Exercises(
@@ -151,6 +207,25 @@ EXERCISES = Exercises(
         _blocks_only,
         lambda p, e, ps: max((sum(1 for a, b in zip(p, o, strict=False) if a == b)
                               for o in e), default=0))),                          # not a prefix
+    Exercise("12.3", "allocate_slots", check_allocate_slots, hints=(
+        "Count first, change nothing yet: the request needs ceil(total / block_size) blocks "
+        "for total = num_computed_tokens + len(hits) * block_size + num_new_tokens; it holds "
+        "len(req.blocks), the hits give len(hits), the rest are new blocks.",
+        "The room check: new blocks, plus the hits with ref_cnt == 0 (they sit in the free "
+        "queue, so taking them uses free blocks), must fit in pool.get_num_free_blocks(), "
+        "less watermark_blocks when the request holds no blocks yet (an admission). If not, "
+        "return None before touching anything.",
+        "Then pool.touch(hits) (before get_new_blocks: a free hit could be handed out as a "
+        "new block), req.blocks = held + hits + new, and cache the full blocks only: "
+        "pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, "
+        "total // block_size), then req.num_cached_block = total // block_size.",
+        "Read KVCacheManager.allocate_slots in course_lib/memory/kv_cache_manager.py, then "
+        "vLLM 0.33.0's allocate_slots in vllm/v1/core/kv_cache_manager.py and "
+        "get_num_blocks_to_allocate in vllm/v1/core/single_type_kv_cache_manager.py (where "
+        "the evictable hits are counted).",
+    ), solution=solutions.allocate_slots, wrong=(
+        hits_are_free, touches_then_checks, caches_partial_block, no_watermark,
+        watermark_always, all_hits_cost, touches_hits_last)),
 )
 
 

@@ -27,91 +27,45 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.manager.Bl
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import NamedTuple
 
 from .block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from .block_table import cdiv
-from .manager import BlockUsage, PrefixCacheStats
+from .manager_base import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
 from .pool import EVICTABLE, FREE, HELD
 
-
-class SeqBlocks(NamedTuple):
-    """A sequence's blocks as a snapshot sees them (the V0 snapshot's table shape)."""
-    blocks: list[int]
-    device: str = "gpu"
+__all__ = ["KVCacheManager", "PoolState", "SeqBlocks", "V1Snapshot"]
 
 
-class PoolState(NamedTuple):
-    state: bytearray                     # HELD / FREE / EVICTABLE per block
-
-
-class V1Snapshot(NamedTuple):
-    """``KVCacheManager.snapshot()``; ``gpu``, ``cpu`` and ``tables`` read like V0's."""
-    gpu: PoolState
-    cpu: PoolState
-    tables: dict[int, SeqBlocks]
-    pool: tuple
-    per_seq: tuple
-    counters: tuple[int, int]
-
-
-class KVCacheManager:
+class KVCacheManager(V1ManagerBase):
     """vLLM V1's KV-cache manager for one group of full-attention layers (module docstring).
 
     Keys are sequence ids (a V1 request is one sequence). ``prefix_caching_hash_algo``:
     ``"sha256"`` (vLLM's default) or ``"builtin"`` (Python's ``hash``: fast, and weak enough to
-    show what trusting a hash means).
+    show what trusting a hash means). The accessors both V1 managers share (``has_seq``,
+    ``seq_ids``, ``prefix_cache_stats``, ``record_prefix_cache_stats``, ``usage``) are
+    :class:`~course_lib.memory.manager_base.V1ManagerBase`'s.
     """
 
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024,
                  enable_caching: bool = True, watermark: float = 0.0,
                  prefix_caching_hash_algo: str = "sha256") -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) \
-                or not 1 <= block_size <= 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        super().__init__(block_size, num_gpu_blocks, enable_caching, watermark)
         if prefix_caching_hash_algo not in ("sha256", "builtin"):
             raise ValueError(f"prefix_caching_hash_algo must be 'sha256' or 'builtin', "
                              f"got {prefix_caching_hash_algo!r}")
-        self.block_size = block_size
-        self.num_gpu_blocks = num_gpu_blocks
-        self.num_cpu_blocks = 0                      # V1: no swap space
-        self.enable_caching = enable_caching
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.hash_fn = hash_block_tokens if prefix_caching_hash_algo == "sha256" else \
             (lambda parent, tokens, extra: hash((parent, tuple(tokens), extra)))
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
-        self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
         self.req_to_block_hashes: dict[int, list] = {}
-        self.num_cached_block: dict[int, int] = {}   # leading blocks entered in the cache
-        self.num_slots: dict[int, int] = {}          # tokens with a slot
-        self.salts: dict[int, Hashable] = {}
-        self.prefix_cache_queries = 0                # tokens looked up
-        self.prefix_cache_hits = 0                   # of those, found
 
     # ------------------------------------------------------------------------ queries
     @property
     def num_free_gpu_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    num_free_cpu_blocks = 0
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
-
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self.req_to_blocks
-
-    def seq_ids(self) -> list[int]:
-        return list(self.req_to_blocks)
-
     def get_block_table(self, seq_id: int) -> list[int]:
         """Block ids of the sequence, in order (a copy)."""
-        if seq_id not in self.req_to_blocks:
-            raise ValueError(f"seq {seq_id!r} has no blocks")
-        return [b.block_id for b in self.req_to_blocks[seq_id]]
+        return [b.block_id for b in self._blocks_of(seq_id)]
 
     # ------------------------------------------------------------------- the hashes
     def _hashes(self, seq_id: int, token_ids: list[int]) -> list:
@@ -142,13 +96,6 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_cache_stats(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted sequence's lookup (``vllm:prefix_cache_queries`` / ``_hits``):
-        once, when it is admitted, however many steps it waited."""
-        if self.enable_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
     # -------------------------------------------------------------------- allocate
     def allocate_slots(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
                        num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = (),
@@ -158,13 +105,9 @@ class KVCacheManager:
         sequence's block ids, or None if the pool is short (nothing changes). Full blocks of
         the tokens this step computes enter the prefix cache now (see the module docstring).
         ``admission``: a waiting sequence, held to the watermark."""
-        if num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens,
+                                     len(new_computed_blocks) * self.block_size, num_new_tokens)
         blocks = self.req_to_blocks.get(seq_id, [])
-        num_hit = len(new_computed_blocks) * self.block_size
-        total = num_computed_tokens + num_hit + num_new_tokens
-        if total > len(token_ids):
-            raise ValueError(f"seq {seq_id}: {total} tokens to hold, it has {len(token_ids)}")
         num_required = cdiv(total, self.block_size)
         num_new = num_required - len(blocks) - len(new_computed_blocks)
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -188,35 +131,23 @@ class KVCacheManager:
         """Give the sequence's blocks back, tail first: the end of a chain is evicted before
         its beginning, which more requests are likely to share. Its hashes stay (a preempted
         sequence comes back with them) until :meth:`forget`."""
-        if seq_id not in self.req_to_blocks:
-            raise ValueError(f"seq {seq_id!r} has no blocks")
+        self._blocks_of(seq_id)                      # raises if it holds none
         self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(seq_id)))
         self.num_cached_block.pop(seq_id, None)
         self.num_slots.pop(seq_id, None)
 
     def forget(self, seq_id: int) -> None:
-        """A finished sequence: drop its blocks (if any) and its hashes."""
-        if seq_id in self.req_to_blocks:
-            self.free(seq_id)
+        """A finished sequence: drop its blocks (if any), its salt and its hashes."""
+        super().forget(seq_id)
         self.req_to_block_hashes.pop(seq_id, None)
-        self.salts.pop(seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
     # ------------------------------------------------------------- usage and checks
-    def usage(self, device: str = "gpu") -> BlockUsage:
-        """Occupancy (the V0 pair's :class:`BlockUsage`); V1 has no CPU pool."""
-        if device == "cpu":
-            return BlockUsage("cpu", self.block_size, 0, 0, 0, 0, 0)
+    def _free_counts(self) -> tuple[int, int]:
         free = self.block_pool.free_block_queue.get_all_free_blocks()
-        entries = sum(len(b) for b in self.req_to_blocks.values())
-        held = self.num_gpu_blocks - len(free)
-        empty = sum(len(blocks) * self.block_size - self.num_slots[s]
-                    for s, blocks in self.req_to_blocks.items())
-        return BlockUsage("gpu", self.block_size, self.num_gpu_blocks, len(free),
-                          sum(1 for b in free if b.block_hash is not None), entries,
-                          held * self.block_size - empty)
+        return len(free), sum(1 for b in free if b.block_hash is not None)
 
     def check_invariants(self) -> None:
         """The pool's invariants; a block's ref count is the number of tables holding it; a

@@ -16,8 +16,11 @@ Names follow vLLM (v0's ``BlockSpaceManager`` for fork / copy-on-write / swap, v
     swap_out / swap_in(seqs)              -> [(src, dst)] copies between the GPU and CPU pools
     free(seq)                             -> blocks back to the pool (cached ones stay findable)
 
-Group allocation (``groups.py``), the decode hot path (``decode.py``) and swapping
-(``swap.py``) are mixed in from their own modules; the answers it gives are in ``usage.py``.
+Group allocation (``groups.py``), the decode hot path (``decode.py``), swapping (``swap.py``),
+marking blocks computed (``cache_control.py``), the read-only questions and ``usage()``
+(``queries.py``) and snapshots (``manager_snapshot.py``) are mixed in from their own modules;
+the answers it gives are in ``usage.py``, what it shares with the V1 managers in
+``manager_base.py``.
 Every method checks its input before it changes anything, so a rejected call (ValueError, or
 NoFreeBlocksError when the pool is short) leaves the manager exactly as it was.
 """
@@ -25,30 +28,24 @@ NoFreeBlocksError when the pool is short) leaves the manager exactly as it was.
 from __future__ import annotations
 
 from collections.abc import Container, Hashable, Iterable, Sequence
-from typing import NamedTuple
 
 from .block_table import BlockTable, cdiv
+from .cache_control import PrefixCacheControl
 from .decode import DecodePath
 from .groups import GroupAllocation
-from .pool import BlockAllocator, NoFreeBlocksError, PoolSnapshot
+from .manager_base import PrefixCacheCounters, check_block_size, check_watermark
+from .manager_snapshot import ManagerSnapshot, SnapshotRestore
+from .pool import BlockAllocator, NoFreeBlocksError
 from .prefix_cache import PrefixCache, typed_salt
+from .queries import ManagerQueries
 from .swap import SwapPath
 from .usage import AllocStatus, BlockUsage, PrefixCacheStats
 
 __all__ = ["AllocStatus", "BlockManager", "BlockUsage", "ManagerSnapshot", "PrefixCacheStats"]
 
 
-class ManagerSnapshot(NamedTuple):
-    """``BlockManager.snapshot()``: copies of everything the manager holds."""
-    gpu: PoolSnapshot
-    cpu: PoolSnapshot
-    cache: tuple | None
-    tables: dict[int, BlockTable]
-    queries: int
-    hits: int
-
-
-class BlockManager(GroupAllocation, DecodePath, SwapPath):
+class BlockManager(ManagerQueries, PrefixCacheCounters, PrefixCacheControl, GroupAllocation,
+                   DecodePath, SwapPath, SnapshotRestore):
     """Paged KV-cache bookkeeping for a GPU pool and a CPU swap pool.
 
     Args:
@@ -64,14 +61,11 @@ class BlockManager(GroupAllocation, DecodePath, SwapPath):
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024, num_cpu_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
                  prefix_caching_hash_algo: str = "builtin") -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) \
-                or not 1 <= block_size <= 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
+        check_block_size(block_size)
         for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        check_watermark(watermark)
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -89,87 +83,6 @@ class BlockManager(GroupAllocation, DecodePath, SwapPath):
         self._tables: dict[int, BlockTable] = {}
         self.prefix_cache_queries = 0   # tokens (vllm:prefix_cache_queries_total)
         self.prefix_cache_hits = 0      # tokens (vllm:prefix_cache_hits_total)
-
-    # ----------------------------------------------------------------- read-only queries
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        """Blocks an allocation can take now: the free stack plus evictable cached blocks."""
-        gpu = self.gpu
-        return len(gpu._free) + len(gpu._evictable)
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu.num_free_blocks
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
-
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self._tables
-
-    def seq_ids(self) -> list[int]:
-        return list(self._tables)
-
-    def get_table(self, seq_id: int) -> BlockTable:
-        """The sequence's table (read it, do not mutate it)."""
-        return self._get(seq_id)
-
-    def get_block_table(self, seq_id: int) -> list[int]:
-        """Physical block ids of the sequence, logical order (a copy)."""
-        table = self._tables.get(seq_id)
-        return (table or self._get(seq_id)).blocks[:]
-
-    def pool(self, device: str) -> BlockAllocator:
-        if device not in ("gpu", "cpu"):
-            raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
-        return self.gpu if device == "gpu" else self.cpu
-
-    def ref_count(self, block: int, device: str = "gpu") -> int:
-        pool = self.pool(device)
-        if isinstance(block, bool) or not isinstance(block, int) \
-                or not 0 <= block < pool.num_blocks:
-            raise ValueError(f"{device} block ids are 0..{pool.num_blocks - 1}, got {block!r}")
-        return pool.ref_counts[block]
-
-    def _get(self, seq_id: int, device: str | None = None) -> BlockTable:
-        table = self._tables.get(seq_id)
-        if table is None:
-            known = sorted(self._tables, key=repr)[:10]     # ids of any type: no TypeError
-            raise ValueError(f"seq {seq_id!r} has no blocks (never allocated, or already freed); "
-                             f"allocated seqs: {known}{' ...' if len(self._tables) > 10 else ''}")
-        if device is not None and table.device != device:
-            raise ValueError(f"seq {seq_id} is on {table.device}, this needs it on {device}")
-        return table
-
-    # ------------------------------------------------------------------ prefix caching
-    def mark_blocks_as_computed(self, seq_id: int, num_computed_tokens: int) -> None:
-        """Tell the cache that the first ``num_computed_tokens`` tokens' K/V are written.
-
-        Call it after the step that computed them ran (e.g. after each prefill chunk): only
-        then may another request reuse those blocks. ``append_slots`` does this implicitly
-        for every token before the ones it appends.
-        """
-        table = self._tables.get(seq_id)
-        if table is None or table.device != "gpu":
-            table = self._get(seq_id, "gpu")             # raises the explanatory error
-        if not 0 <= num_computed_tokens <= len(table.token_ids):
-            raise ValueError(f"num_computed_tokens must be in [0, {table.num_tokens}], "
-                             f"got {num_computed_tokens}")
-        if self.cache is not None and num_computed_tokens // self.block_size \
-                > table.num_cached_blocks:
-            self.cache.register(table, num_computed_tokens // self.block_size)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks. Only possible while no GPU block is held (vLLM's rule:
-        a held block may be mid-use); returns whether the reset happened."""
-        if self.cache is None:
-            return True
-        if self.gpu.num_free_blocks != self.num_gpu_blocks:
-            return False
-        self.gpu.drop_evictable()
-        self.cache.clear()
-        return True
 
     # -------------------------------------------------------------- allocate a prompt
     def _blocks_needed(self, num_tokens: int) -> int:
@@ -325,39 +238,7 @@ class BlockManager(GroupAllocation, DecodePath, SwapPath):
         else:
             self.cpu.release(reversed(table.blocks))
 
-    # ------------------------------------------------------------ snapshot / restore
-    def snapshot(self) -> ManagerSnapshot:
-        """A copy of every table, both pools, the prefix cache and the counters: what
-        ``LLMEngine.step`` restores when a step fails (O(blocks + tokens held))."""
-        return ManagerSnapshot(self.gpu.snapshot(), self.cpu.snapshot(),
-                               self.cache.snapshot() if self.cache is not None else None,
-                               {s: t.copy(s) for s, t in self._tables.items()},
-                               self.prefix_cache_queries, self.prefix_cache_hits)
-
-    def restore(self, snap: ManagerSnapshot) -> None:
-        """Put the manager back exactly as it was when ``snap`` was taken."""
-        self.gpu.restore(snap.gpu)
-        self.cpu.restore(snap.cpu)
-        if self.cache is not None:
-            self.cache.restore(snap.cache)
-        self._tables = {s: t.copy(s) for s, t in snap.tables.items()}
-        self.prefix_cache_queries, self.prefix_cache_hits = snap.queries, snap.hits
-
-    # --------------------------------------------------------------------- usage, checks
-    def usage(self, device: str = "gpu") -> BlockUsage:
-        """Occupancy of one pool, O(sequences on it): only a sequence's last block can have
-        empty slots, and a partial block shared by several tables has the same fill in each
-        (a write into a shared block copies it first), so each last block counts once."""
-        pool, bs = self.pool(device), self.block_size
-        entries, empty = 0, {}
-        for table in self._tables.values():
-            if table.device == device:
-                entries += len(table.blocks)
-                empty[table.blocks[-1]] = -table.num_tokens % bs
-        held = pool.num_blocks - pool.num_free_blocks
-        return BlockUsage(device, bs, pool.num_blocks, pool.num_free_blocks,
-                          pool.num_evictable_blocks, entries, held * bs - sum(empty.values()))
-
+    # ---------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:
         """Assert the block manager's invariants (``docs/design_notes.md``): each pool's
         blocks are held, free or evictable, exactly one of them; a block's ref count is its

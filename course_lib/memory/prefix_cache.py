@@ -1,11 +1,10 @@
-"""Automatic prefix caching: chained block hashes, a hash -> block map, LRU eviction.
+"""Automatic prefix caching: the hash -> block maps of the cached blocks, verified lookups.
 
-A *full* block is identified by its content **and everything before it**: its hash is
-``hash((parent_hash, token_ids_of_this_block, extra_key))``, where ``parent_hash`` is the hash
-of the previous block (``ROOT_HASH`` for the first). Two requests that share a system prompt
-therefore compute the same hashes for the blocks of that prompt and can share the physical
-blocks. ``extra_key`` salts the chain (a LoRA id, a multimodal input hash, a tenant's
-cache salt) so that equal tokens under different conditions never match.
+A full block is named by a chained hash of its tokens and everything before it, salted by an
+``extra_key`` (``block_hash.py``); two requests that share a system prompt compute the same
+hashes for its blocks and share the physical blocks. A hash only points at a candidate: a hit
+is accepted only if the block was registered with exactly the same key, so a hit proves the
+whole prefix equal even when two prefixes' hashes collide.
 
 Only full blocks are cached: a partially filled block is still being written.
 
@@ -14,74 +13,37 @@ A cached block whose reference count drops to zero is *not* forgotten: the block
 an allocation needs the space and evicts it (then :meth:`PrefixCache.forget` drops its hash).
 Blocks of one freed sequence become evictable tail first, so the end of a chain is evicted
 before its beginning (a beginning is shared by more future requests). This cache holds only
-the hash <-> block maps; which free block goes next is the pool's policy.
+the hash <-> block maps; which free block goes next is the pool's policy. Finding a new
+prompt's cached prefix fast (``hash_and_match``, ``can_allocate``'s probe) is mixed in from
+``prefix_match.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-from collections.abc import Callable, Hashable, KeysView, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import KeysView
+from typing import TYPE_CHECKING
+
+from .block_hash import (
+    HASH_FUNCTIONS,
+    ROOT_HASH,
+    BlockKey,
+    HashFn,
+    ParentRef,
+    block_key,
+    builtin_block_hash,
+    sha256_block_hash,
+    typed_salt,
+)
+from .prefix_match import PrefixMatching
 
 if TYPE_CHECKING:
     from .block_table import BlockTable
 
-ROOT_HASH = 0  # parent hash of a sequence's first block
-
-HashFn = Callable[[int, tuple, Hashable], int]
-
-
-def builtin_block_hash(parent_hash: int, token_ids: tuple, extra_key: Hashable) -> int:
-    """Python's tuple hash: fast; deterministic across runs for ints and tuples of ints."""
-    return hash((parent_hash, token_ids, extra_key))
+__all__ = ["HASH_FUNCTIONS", "ROOT_HASH", "BlockKey", "HashFn", "ParentRef", "PrefixCache",
+           "builtin_block_hash", "sha256_block_hash", "typed_salt"]
 
 
-def sha256_block_hash(parent_hash: int, token_ids: tuple, extra_key: Hashable) -> int:
-    """A cryptographic hash (vLLM's ``prefix_caching_hash_algo="sha256"``): slower,
-    collision-resistant, identical on every machine."""
-    data = pickle.dumps((parent_hash, token_ids, extra_key), protocol=4)
-    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
-
-
-HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": builtin_block_hash, "sha256": sha256_block_hash}
-
-
-def typed_salt(salt: Hashable) -> Hashable:
-    """A salt (``extra_key``) as it enters the hash: each value with its type, so that salts
-    equal in Python but of other types (``1``, ``True``, ``1.0``) never share blocks. Tuples
-    are typed item by item; ``()`` (no salt) stays ``()``."""
-    if isinstance(salt, tuple):
-        return tuple(typed_salt(s) for s in salt) if salt else ()
-    return (type(salt).__qualname__, salt)
-
-
-ParentRef = tuple[int, int]  # (block id, generation) of the cached block before this one
-
-
-class BlockKey(NamedTuple):
-    """What a cached block was registered with: enough to verify a hit exactly.
-
-    ``parent`` names the *cached block* before this one (None for a first block), with the
-    generation it had when this key was made. A lookup walks a prompt from its first block,
-    so a hit at block i requires the stored parent to be the very block matched at i-1:
-    by induction a hit proves the whole prefix equal, even if two prefixes' hashes collide.
-    A parent that was evicted and re-registered has a new generation, so stale children
-    can never be matched.
-    """
-    block_hash: int
-    parent_hash: int
-    token_ids: tuple
-    extra_key: Hashable
-    parent: ParentRef | None
-
-
-def _new_key(fields: tuple) -> BlockKey:
-    """``BlockKey(*fields)`` without the named tuple's Python-level ``__new__`` (per block)."""
-    return tuple.__new__(BlockKey, fields)
-
-
-class PrefixCache:
+class PrefixCache(PrefixMatching):
     """The hash -> block map of every registered block (held or evictable), verified lookups."""
 
     def __init__(self, hash_algo: str = "builtin") -> None:
@@ -95,7 +57,7 @@ class PrefixCache:
         self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
         self._generation: dict[int, int] = {}           # block id -> times it was registered
         self._prompts: dict[tuple, tuple[list[int], list[tuple]]] = {}   # hash_prompt's memo
-        self._chains: dict[tuple, list[tuple]] = {}     # hash_and_match's: see there
+        self._chains: dict[tuple, list[tuple]] = {}     # hash_and_match's (prefix_match.py)
         self.version = 0                                # changes whenever the maps change
         self._last_match: tuple = ()                    # match()'s memo, valid for a version
         self.num_collisions = 0                         # hash matched, content did not
@@ -167,130 +129,8 @@ class PrefixCache:
     def key(self, table: BlockTable, i: int, parent: ParentRef | None) -> BlockKey:
         bs = table.block_size
         parent_hash = table.block_hashes[i - 1] if i else ROOT_HASH
-        return _new_key((table.block_hashes[i], parent_hash,
+        return block_key((table.block_hashes[i], parent_hash,
                          tuple(table.token_ids[i * bs:(i + 1) * bs]), table.extra_key, parent))
-
-    def hash_prompt(self, tokens: Sequence[int], block_size: int, extra: Hashable
-                    ) -> tuple[list[int], list[tuple]]:
-        """The chained hashes of the full blocks of ``tokens`` and each block's tokens as a
-        tuple, remembered for the last few prompts: the scheduler asks ``can_allocate`` (maybe
-        for several steps) and then ``allocate`` for the same prompt, which is hashed once.
-        The lists returned are shared: copy before changing them."""
-        key = (tuple(tokens), block_size, extra)
-        found = self._prompts.get(key)
-        if found is not None:
-            return found
-        hash_fn, parent, hashes, blocks = self.hash_fn, ROOT_HASH, [], []
-        flat = key[0]
-        starts = range(0, len(flat) - block_size + 1, block_size)
-        if hash_fn is builtin_block_hash:           # inlined: this runs for every prompt
-            for i in starts:
-                block_tokens = flat[i:i + block_size]
-                parent = hash((parent, block_tokens, extra))
-                hashes.append(parent)
-                blocks.append(block_tokens)
-        else:
-            for i in starts:
-                block_tokens = flat[i:i + block_size]
-                parent = hash_fn(parent, block_tokens, extra)
-                hashes.append(parent)
-                blocks.append(block_tokens)
-        if len(self._prompts) >= 16:
-            del self._prompts[next(iter(self._prompts))]
-        self._prompts[key] = hashes, blocks
-        return hashes, blocks
-
-    def match(self, hashes: Sequence[int], blocks: Sequence[tuple], extra: Hashable,
-              max_hits: int) -> tuple[list[int], bool]:
-        """The cached blocks of the longest verified prefix (at most ``max_hits`` blocks), and
-        whether the walk stopped at a collision (a hash match whose key differs; the caller
-        counts it once the allocation is done, so that a probe changes nothing). The last
-        answer is remembered until the maps change: ``allocate`` right after ``can_allocate``
-        (the scheduler's order) walks nothing."""
-        last = self._last_match
-        if last and last[0] is hashes and last[1] == (extra, max_hits, self.version):
-            return list(last[2]), last[3]
-        hits, collided = self._walk(hashes, blocks, extra, max_hits)
-        self._last_match = (hashes, (extra, max_hits, self.version), hits, collided)
-        return list(hits), collided
-
-    def _walk(self, hashes: Sequence[int], blocks: Sequence[tuple], extra: Hashable,
-              max_hits: int) -> tuple[list[int], bool]:
-        block_of, key_of, generation = self._block_of, self._key_of, self._generation
-        hits: list[int] = []
-        parent_hash, parent = ROOT_HASH, None
-        for i in range(min(max_hits, len(hashes))):
-            block_hash = hashes[i]
-            block = block_of.get(block_hash)
-            if block is None:
-                return hits, False
-            key = (block_hash, parent_hash, blocks[i], extra, parent)
-            if key_of[block] != key:                     # rare: a hash collision
-                block, _ = self._find(BlockKey(*key))
-                if block is None:
-                    return hits, True
-            hits.append(block)
-            parent, parent_hash = (block, generation[block]), block_hash
-        return hits, False
-
-    def hash_and_match(self, table: BlockTable) -> tuple[list[int], bool]:
-        """Hash every full block of a new sequence (into ``table.block_hashes``) and return the
-        cached blocks of its longest matching prefix, leaving at least one token to compute
-        (the model must run on something to produce the next token's logits), and whether
-        the walk stopped at a collision (see :meth:`match`). A prompt ``can_allocate`` just
-        probed is not hashed again; any other is hashed and matched in one pass."""
-        tokens, bs, extra = table.token_ids, table.block_size, table.extra_key
-        max_hits = (len(tokens) - 1) // bs
-        flat = tuple(tokens)
-        found = self._prompts.get((flat, bs, extra)) if self._prompts else None
-        if found is not None:
-            table.block_hashes = list(found[0])
-            return self.match(found[0], found[1], extra, max_hits)
-        hash_fn, block_of, key_of, generation = self.hash_fn, self._block_of, self._key_of, \
-            self._generation
-        builtin = hash_fn is builtin_block_hash
-        hashes = table.block_hashes = []
-        hits: list[int] = []
-        parent_hash, parent, collided, start = ROOT_HASH, None, False, 0
-        head = (flat[:bs], extra)
-        chain = self._chains.get(head) if max_hits > 0 else None
-        if chain:       # the hits of a recent prompt that began alike, each still registered
-            for block_tokens, block, key in chain:       # with the very key it had: no hash,
-                if len(hits) == max_hits or key_of.get(block) is not key \
-                        or flat[start:start + bs] != block_tokens:     # no verify needed
-                    break
-                hits.append(block)
-                hashes.append(key[0])
-                start += bs
-            if hits:
-                parent_hash, parent = hashes[-1], (hits[-1], generation[hits[-1]])
-        reused, matching = len(hits), len(hits) < max_hits
-        for i in range(start, len(flat) - bs + 1, bs):
-            block_tokens = flat[i:i + bs]
-            block_hash = hash((parent_hash, block_tokens, extra)) if builtin \
-                else hash_fn(parent_hash, block_tokens, extra)
-            hashes.append(block_hash)
-            if matching:
-                block = block_of.get(block_hash)
-                if block is not None:
-                    key = (block_hash, parent_hash, block_tokens, extra, parent)
-                    if key_of[block] != key:             # rare: a hash collision
-                        block, _ = self._find(BlockKey(*key))
-                        collided = block is None
-                if block is None:
-                    matching = False
-                else:
-                    hits.append(block)
-                    parent = (block, generation[block])
-                    matching = i // bs + 1 < max_hits
-            parent_hash = block_hash
-        if len(hits) > reused or (hits and not chain):   # remember the longer chain
-            kept = chain[:reused] if chain else []
-            self._chains[head] = kept + [(flat[j * bs:(j + 1) * bs], hits[j], key_of[hits[j]])
-                                         for j in range(reused, len(hits))]
-            if len(self._chains) > 256:
-                del self._chains[next(iter(self._chains))]
-        return hits, collided
 
     def register(self, table: BlockTable, upto: int) -> None:
         """Offer full, computed blocks ``num_cached_blocks .. upto-1`` to the prefix cache.

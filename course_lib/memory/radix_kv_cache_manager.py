@@ -26,10 +26,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from .block_table import cdiv
-from .kv_cache_manager import PoolState, SeqBlocks, V1Snapshot
-from .manager import BlockUsage, PrefixCacheStats
+from .manager_base import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
 from .pool import EVICTABLE, FREE, HELD
 from .radix_cache import RadixCache, TreeNode
+from .radix_state import RadixState, canonical_state, clone_with_locks
+
+__all__ = ["BlockSlotPool", "RadixKVCacheManager", "RadixState", "canonical_state"]
 
 
 class BlockSlotPool:
@@ -80,69 +82,19 @@ class BlockSlotPool:
         return {b * bs + i for b in self.free_blocks for i in range(bs)}
 
 
-def _clone(tree: RadixCache, last_node: dict[int, TreeNode]
-           ) -> tuple[RadixCache, dict[int, TreeNode]]:
-    new, mapping = tree.clone()
-    return new, {s: mapping[id(n)] for s, n in last_node.items()}
-
-
-def canonical_state(tree: RadixCache) -> tuple:
-    """A tree's cached blocks as data: (namespace, the tokens up to the block's end, block id,
-    lock count, last access) per block, and the free stack; equal for equal caches, however
-    their edges happen to be split."""
-    bs, pages = tree.page_size, []
-    for n in tree.nodes():
-        prefix: tuple = ()
-        node = n.parent
-        while node is not tree.root:
-            prefix = node.key + prefix
-            node = node.parent
-        for i in range(0, len(n.value), bs):
-            pages.append((n.extra_key, prefix + n.key[:i + bs], n.value[i] // bs, n.lock_ref,
-                          n.last_access_time))
-    return tuple(sorted(pages, key=repr)), tuple(tree.pool.free_blocks)
-
-
-class RadixState:
-    """The tree and the sequences' locked nodes, copied; compares by content
-    (:func:`canonical_state`), not by object identity."""
-
-    def __init__(self, tree: RadixCache, last_node: dict[int, TreeNode]) -> None:
-        self.tree, self.last_node = _clone(tree, last_node)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RadixState) and \
-            canonical_state(self.tree) == canonical_state(other.tree)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-class RadixKVCacheManager:
-    """V1's KV-cache manager interface over SGLang's radix tree (module docstring)."""
+class RadixKVCacheManager(V1ManagerBase):
+    """V1's KV-cache manager interface over SGLang's radix tree (module docstring). The
+    accessors both V1 managers share (``has_seq``, ``seq_ids``, ``prefix_cache_stats``,
+    ``record_prefix_cache_stats``, ``forget``, ``usage``) are
+    :class:`~course_lib.memory.manager_base.V1ManagerBase`'s."""
 
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024,
                  enable_caching: bool = True, watermark: float = 0.0) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) \
-                or not 1 <= block_size <= 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
-        if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int) \
-                or num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-        self.block_size, self.num_gpu_blocks = block_size, num_gpu_blocks
-        self.num_cpu_blocks = 0                      # V1: no swap space
-        self.enable_caching = enable_caching
-        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        super().__init__(block_size, num_gpu_blocks, enable_caching, watermark)
         self.pool = BlockSlotPool(num_gpu_blocks, block_size)
         self.tree = RadixCache(num_gpu_blocks * block_size, block_size, pool=self.pool)
-        self.req_to_blocks: dict[int, list[int]] = {}
-        self.num_slots: dict[int, int] = {}          # tokens with a slot
-        self.num_cached_block: dict[int, int] = {}   # leading blocks that are the tree's
-        self.last_node: dict[int, TreeNode] = {}     # locked end of that cached prefix
+        self.last_node: dict[int, TreeNode] = {}     # locked end of the cached prefix
         self.diverged: set[int] = set()              # later full blocks duplicate the tree
-        self.salts: dict[int, Hashable] = {}
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     # ------------------------------------------------------------------------ queries
     @property
@@ -150,22 +102,8 @@ class RadixKVCacheManager:
         """Blocks an allocation can get: the free stack plus unlocked cached blocks."""
         return self.pool.num_free_blocks + self.tree.evictable_size() // self.block_size
 
-    num_free_cpu_blocks = 0
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
-
-    def has_seq(self, seq_id: int) -> bool:
-        return seq_id in self.req_to_blocks
-
-    def seq_ids(self) -> list[int]:
-        return list(self.req_to_blocks)
-
     def get_block_table(self, seq_id: int) -> list[int]:
-        if seq_id not in self.req_to_blocks:
-            raise ValueError(f"seq {seq_id!r} has no blocks")
-        return list(self.req_to_blocks[seq_id])
+        return list(self._blocks_of(seq_id))
 
     def _namespace(self, seq_id: int) -> Hashable:
         salt = self.salts.get(seq_id)               # typed: 1, True and 1.0 never share
@@ -205,24 +143,16 @@ class RadixKVCacheManager:
         hits, _ = self._peek(token_ids[:limit], self._namespace(seq_id))
         return hits, len(hits) * self.block_size
 
-    def record_prefix_cache_stats(self, num_tokens: int, num_hit_tokens: int) -> None:
-        if self.enable_caching:
-            self.prefix_cache_queries += num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-
     def allocate_slots(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
                        num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
                        admission: bool = False) -> list[int] | None:
         """Room for ``num_new_tokens`` more tokens (and the hit ``new_computed_blocks`` of a
         sequence being admitted); the sequence's block ids, or None (nothing changes)."""
-        if num_new_tokens < 1:
-            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
         blocks = self.req_to_blocks.get(seq_id, [])
         hits = list(new_computed_blocks)
-        total = num_computed_tokens + len(hits) * bs + num_new_tokens
-        if total > len(token_ids):
-            raise ValueError(f"seq {seq_id}: {total} tokens to hold, it has {len(token_ids)}")
+        total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens, len(hits) * bs,
+                                     num_new_tokens)
         num_new = max(cdiv(total, bs) - len(blocks) - len(hits), 0)
         unlocked = 0
         if hits:
@@ -267,8 +197,7 @@ class RadixKVCacheManager:
     def free(self, seq_id: int) -> None:
         """Unlock the sequence's cached prefix (it stays in the tree, evictable) and give its
         private blocks back to the stack."""
-        if seq_id not in self.req_to_blocks:
-            raise ValueError(f"seq {seq_id!r} has no blocks")
+        self._blocks_of(seq_id)                      # raises if it holds none
         blocks = self.req_to_blocks.pop(seq_id)
         cached = self.num_cached_block.pop(seq_id, 0)
         if seq_id in self.last_node:
@@ -276,11 +205,6 @@ class RadixKVCacheManager:
         self.pool.free(self._slots(reversed(blocks[cached:])))
         self.num_slots.pop(seq_id, None)
         self.diverged.discard(seq_id)
-
-    def forget(self, seq_id: int) -> None:
-        if seq_id in self.req_to_blocks:
-            self.free(seq_id)
-        self.salts.pop(seq_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Evict the whole tree; only while no sequence holds blocks."""
@@ -290,16 +214,8 @@ class RadixKVCacheManager:
         return True
 
     # ------------------------------------------------------------- usage and checks
-    def usage(self, device: str = "gpu") -> BlockUsage:
-        if device == "cpu":
-            return BlockUsage("cpu", self.block_size, 0, 0, 0, 0, 0)
-        held = self.num_gpu_blocks - self.num_free_gpu_blocks
-        empty = sum(len(b) * self.block_size - self.num_slots[s]
-                    for s, b in self.req_to_blocks.items())
-        return BlockUsage("gpu", self.block_size, self.num_gpu_blocks, self.num_free_gpu_blocks,
-                          self.tree.evictable_size() // self.block_size,
-                          sum(len(b) for b in self.req_to_blocks.values()),
-                          held * self.block_size - empty)
+    def _free_counts(self) -> tuple[int, int]:
+        return self.num_free_gpu_blocks, self.tree.evictable_size() // self.block_size
 
     def _tree_blocks(self) -> dict[int, TreeNode]:
         bs = self.block_size
@@ -350,7 +266,7 @@ class RadixKVCacheManager:
                           per_seq, (self.prefix_cache_queries, self.prefix_cache_hits))
 
     def restore(self, snap: V1Snapshot) -> None:
-        self.tree, self.last_node = _clone(snap.pool.tree, snap.pool.last_node)
+        self.tree, self.last_node = clone_with_locks(snap.pool.tree, snap.pool.last_node)
         self.pool = self.tree.pool
         tables, slots, cached, diverged, salts = snap.per_seq
         self.req_to_blocks = {s: list(b) for s, b in tables.items()}

@@ -1,79 +1,50 @@
-"""Figures and a widget for chapters 01 (KV-cache cost) and 08 (capacity planning).
+"""Chapter 01's figures (what a KV cache costs), and the one import point for the capacity views.
 
 Every number drawn here comes from course_lib.capacity; this module only lays it out. The
 functions return matplotlib Figures (not pyplot state), so a notebook shows them as the cell's
-value and a test can count their bars. The source-article audit table and the capacity explorer
-widget are here too: both are displays of library results.
+value and a test can count their bars. The views of the other chapters live beside it and are
+re-exported here, so ``course_lib.viz.capacity.X`` names them all: the source-article audit
+table (``viz/claims_table.py``), chapter 08's figures (``viz/capacity_planning.py``) and its
+capacity explorer widget (``viz/capacity_explorer.py``).
 """
 
 from __future__ import annotations
 
-import html
-import io
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
 
-import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
 from course_lib.capacity import GiB, KiB
-from course_lib.claims import sources
+from course_lib.claims import sources  # noqa: F401  (the audit, reached as viz.capacity.sources)
+from course_lib.viz.capacity_explorer import (
+    CapacityExplorer,
+    ExplorerState,
+    draw_explorer_state,
+    figure_png,
+)
+from course_lib.viz.capacity_planning import (
+    BUDGET_COLORS,
+    BUDGET_PARTS,
+    BlockSizeRow,
+    block_size_tradeoff,
+    budget_parts,
+    draw_block_size_tradeoff,
+    draw_memory_budget,
+    draw_tp_sweep,
+)
+from course_lib.viz.claims_table import ClaimsTable, claims_table
+
+__all__ = [  # re-exported from the modules above, then defined here
+    "ClaimsTable", "claims_table", "BUDGET_COLORS", "BUDGET_PARTS", "BlockSizeRow",
+    "block_size_tradeoff", "budget_parts", "draw_block_size_tradeoff", "draw_memory_budget",
+    "draw_tp_sweep", "CapacityExplorer", "ExplorerState", "draw_explorer_state", "figure_png",
+    "ATTENTION_COLORS", "draw_kv_projections", "draw_kv_bytes_per_token",
+    "weights_kv_crossing_tokens", "draw_kv_vs_weights",
+]
 
 ATTENTION_COLORS = {"MHA": "C3", "GQA": "C0", "MQA": "C2", "MLA": "C1"}
 
-
-# ------------------------------------------------------ the source articles' audit as a table
-
-@dataclass(frozen=True)
-class ClaimsTable:
-    """Source-article claims as a table: HTML in Jupyter, aligned text in print() and in
-    nbval's text/plain."""
-
-    rows: tuple[sources.SourceClaim, ...]
-
-    _HEAD = ("article", "where", "claim", "article says", "course computes", "unit", "verdict")
-
-    def _cells(self, c: sources.SourceClaim) -> tuple[str, ...]:
-        show = sources._show  # the audit's own number formatting, shared with audit_table()
-        return (sources.cite(c.source), c.where, c.claim, show(c.source_value),
-                show(c.course_value), c.unit,
-                c.verdict)
-
-    def __str__(self) -> str:
-        lines = []
-        for c in self.rows:
-            article, where, claim, said, computed, unit, verdict = self._cells(c)
-            lines.append(f"[{c.key}] {verdict.upper()}: {article} {where}: {claim}")
-            lines.append(f"    the article says {said} {unit}, "
-                         f"the course computes {computed} {unit}")
-            lines.append(f"    {c.explanation}")
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in (*self._HEAD, "why"))
-        body = []
-        for c in self.rows:
-            cells = (*self._cells(c), c.explanation)
-            body.append("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(x)}</td>"
-                                         for x in cells) + "</tr>")
-        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
-
-
-def claims_table(keys: Iterable[str]) -> ClaimsTable:
-    """The audited source-article claims with these keys, in the order given
-    (ValueError if unknown)."""
-    claims = {c.key: c for c in sources.audit()}
-    keys = list(keys)
-    unknown = [k for k in keys if k not in claims]
-    if unknown:
-        raise ValueError(f"unknown claim keys {unknown}; known: {sorted(claims)}")
-    return ClaimsTable(tuple(claims[k] for k in keys))
-
-
-# ---------------------------------------------------------------- chapter 01
 
 def draw_kv_projections(num_steps: int) -> Figure:
     """K/V projections computed per decode step without a cache (t) and with one (1)."""
@@ -151,236 +122,3 @@ def draw_kv_vs_weights(specs: Sequence[cap.ModelSpec], max_tokens: int) -> Figur
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
-
-
-# ---------------------------------------------------------------- chapter 08
-
-BUDGET_PARTS = ("weights", "activations", "overhead", "KV blocks", "left over",
-                "not used (1 - utilization)")
-BUDGET_COLORS = ("C7", "C4", "C5", "C0", "C8", "white")
-
-
-def budget_parts(budget: cap.KVBudget) -> dict[str, int]:
-    """One GPU's memory cut into BUDGET_PARTS, in bytes; they add up to the total."""
-    usable = round(budget.total_gpu_memory_bytes * budget.gpu_memory_utilization)
-    blocks = budget.num_gpu_blocks * budget.block_bytes
-    values = (budget.weight_bytes, budget.activation_bytes, budget.overhead_bytes, blocks,
-              budget.available_kv_bytes - blocks, budget.total_gpu_memory_bytes - usable)
-    return dict(zip(BUDGET_PARTS, values, strict=True))
-
-
-def draw_memory_budget(budgets: Sequence[tuple[str, cap.KVBudget]]) -> Figure:
-    """One stacked bar per (label, budget): where each GPU's memory goes."""
-    if not budgets:
-        raise ValueError("budgets must hold at least one (label, KVBudget)")
-    fig = Figure(figsize=(7.5, 1.2 + 0.9 * len(budgets)))
-    ax = fig.add_subplot()
-    labels = [label for label, _ in budgets]
-    lefts = [0.0] * len(budgets)
-    for part, color in zip(BUDGET_PARTS, BUDGET_COLORS, strict=True):
-        sizes = [budget_parts(b)[part] / GiB for _, b in budgets]
-        ax.barh(labels, sizes, left=lefts, color=color, edgecolor="black", linewidth=0.5,
-                label=part)
-        lefts = [a + b for a, b in zip(lefts, sizes, strict=True)]
-    for y, (_, b) in enumerate(budgets):
-        ax.annotate(f"{b.num_gpu_blocks:,} blocks", (lefts[y], y), xytext=(4, 0),
-                    textcoords="offset points", va="center", fontsize=9.5)
-    ax.invert_yaxis()
-    ax.set_xlim(0, max(lefts) * 1.25)
-    ax.set_xlabel("GiB on one GPU")
-    ax.legend(fontsize=9, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    fig.tight_layout()
-    return fig
-
-
-def draw_tp_sweep(specs: Sequence[cap.ModelSpec], tp_sizes: Sequence[int]) -> Figure:
-    """Per-rank KV bytes per token as TP grows: GQA heads split (then replicate), MLA does not."""
-    if not specs or not tp_sizes:
-        raise ValueError("specs and tp_sizes must both be non-empty")
-    fig = Figure(figsize=(7.5, 3.2))
-    ax = fig.add_subplot()
-    for i, spec in enumerate(specs):
-        values = [cap.kv_bytes_per_token(spec, tp) / KiB for tp in tp_sizes]
-        what = "one latent" if spec.is_mla else f"{spec.num_kv_heads} KV heads"
-        ax.plot(tp_sizes, values, "os^vD"[i % 5] + "-", color=f"C{i}",
-                label=f"{spec.name} ({spec.attention_type}, {what})")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(tp_sizes), [str(t) for t in tp_sizes])
-    ax.set(xlabel="tensor_parallel_size", ylabel="KiB per token per rank", ylim=(0, None))
-    ax.set_title("What one rank caches per token", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-@dataclass(frozen=True)
-class BlockSizeRow:
-    """block_size's cost on one sample of sequence lengths (see block_size_tradeoff)."""
-
-    block_size: int
-    mean_waste_tokens: float      # empty slots in the last block, averaged over sequences
-    expected_waste_tokens: float  # (block_size - 1) / 2
-    max_waste_tokens: int         # block_size - 1
-    wasted_fraction: float        # empty slots / slots held
-    mean_blocks_per_seq: float    # block-table entries per sequence
-
-
-def block_size_tradeoff(lengths: Sequence[int], block_sizes: Sequence[int]) -> list[BlockSizeRow]:
-    """Internal waste vs block-table length for each block size, measured on lengths."""
-    if not lengths:
-        raise ValueError("lengths must hold at least one sequence length")
-    rows = []
-    for bs in block_sizes:
-        blocks = [cap.num_blocks_for_tokens(n, bs) for n in lengths]
-        waste = [b * bs - n for b, n in zip(blocks, lengths, strict=True)]
-        rows.append(BlockSizeRow(bs, sum(waste) / len(lengths),
-                                 cap.expected_internal_waste_tokens(bs),
-                                 cap.max_internal_waste_tokens(bs),
-                                 sum(waste) / (sum(blocks) * bs), sum(blocks) / len(lengths)))
-    return rows
-
-
-def draw_block_size_tradeoff(rows: Sequence[BlockSizeRow]) -> Figure:
-    """Two bar panels over block sizes: wasted slots per sequence, block-table entries."""
-    if not rows:
-        raise ValueError("rows must hold at least one BlockSizeRow")
-    names = [str(r.block_size) for r in rows]
-    xs = range(len(rows))
-    fig = Figure(figsize=(7.5, 3))
-    left, right = fig.subplots(1, 2)
-    for dx, key, color, label in ((-0.27, "mean_waste_tokens", "C3", "measured mean"),
-                                  (0.0, "expected_waste_tokens", "C7", "(block_size - 1) / 2"),
-                                  (0.27, "max_waste_tokens", "white", "worst: block_size - 1")):
-        left.bar([x + dx for x in xs], [getattr(r, key) for r in rows], width=0.27,
-                 color=color, edgecolor="black", linewidth=0.5, label=label)
-    left.set_xticks(list(xs), names)
-    left.set(xlabel="block_size", ylabel="empty slots per sequence", title="internal waste")
-    left.legend(fontsize=7)
-    right.bar(names, [r.mean_blocks_per_seq for r in rows], color="C0")
-    right.set(xlabel="block_size", ylabel="blocks per sequence", title="block-table entries")
-    fig.tight_layout()
-    return fig
-
-
-# ---------------------------------------------------------------- the capacity explorer
-
-@dataclass(frozen=True)
-class ExplorerState:
-    """The explorer's inputs; plan() turns them into a KVBudget (or an error to show)."""
-
-    preset: str = "llama-3-8b"
-    total_gpu_memory_gib: float = 80.0
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    max_model_len: int = 8192
-
-    def plan(self) -> cap.KVBudget:
-        return cap.plan_kv_cache(cap.get_preset(self.preset), self.total_gpu_memory_gib,
-                                 gpu_memory_utilization=self.gpu_memory_utilization,
-                                 block_size=self.block_size,
-                                 tensor_parallel_size=self.tensor_parallel_size)
-
-    def max_model_len_warning(self) -> str:
-        """'' when vLLM accepts max_model_len for this model; otherwise why it refuses
-        (course_lib.capacity.verify_max_model_len)."""
-        try:
-            cap.verify_max_model_len(cap.get_preset(self.preset), self.max_model_len)
-        except ValueError as exc:
-            return f"warning: {exc}"
-        return ""
-
-    def summary(self) -> str:
-        """vLLM-style sizing lines, or the library's error when the model does not fit; a
-        last line warns when max_model_len is longer than the model allows."""
-        try:
-            text = self.plan().summary(self.max_model_len)
-        except ValueError as exc:
-            text = f"does not start: {exc}"
-        warning = self.max_model_len_warning()
-        return f"{text}\n{warning}" if warning else text
-
-
-def figure_png(fig: Figure, dpi: int = 96) -> bytes:
-    """PNG bytes of fig, without the Software tag (so bytes depend on the drawing only); at
-    96 dpi a figure point is a CSS point at 100% zoom (``course_lib.viz.blocks.EXPLORER_DPI``)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    return buf.getvalue()
-
-
-def draw_explorer_state(state: ExplorerState) -> Figure:
-    """The state's stacked budget bar; when the model does not fit, weights vs usable memory."""
-    try:
-        budget = state.plan()
-    except ValueError:
-        spec = cap.get_preset(state.preset)
-        usable = state.total_gpu_memory_gib * state.gpu_memory_utilization
-        fig = Figure(figsize=(7.5, 2.1))
-        ax = fig.add_subplot()
-        ax.barh(["weights per GPU", "usable"],
-                [spec.weight_bytes / state.tensor_parallel_size / GiB, usable],
-                color=["C3", "C0"])
-        ax.set_xlabel("GiB")
-        ax.set_title(f"{spec.name} at TP={state.tensor_parallel_size} does not fit", fontsize=10)
-        fig.tight_layout()
-        return fig
-    return draw_memory_budget([(f"{budget.model.name} TP={state.tensor_parallel_size}", budget)])
-
-
-class CapacityExplorer:
-    """Dropdown and sliders over ExplorerState; the picture is a widgets.Image (PNG bytes).
-
-    All state lives in self.state; widget callbacks only replace it and redraw, so a test can
-    set a slider's value and read state, summary.value and image.value back.
-    """
-
-    def __init__(self, state: ExplorerState | None = None) -> None:
-        self.state = state or ExplorerState()
-        self.preset = widgets.Dropdown(options=[(s.name, k) for k, s in cap.PRESETS.items()],
-                                       value=self.state.preset, description="model")
-        self.memory = widgets.IntSlider(value=int(self.state.total_gpu_memory_gib), min=16,
-                                        max=192, step=8, description="GPU GiB")
-        self.utilization = widgets.FloatSlider(value=self.state.gpu_memory_utilization,
-                                               min=0.5, max=1.0, step=0.01,
-                                               description="utilization")
-        self.tp = widgets.Dropdown(options=self._tp_options(self.state.preset),
-                                   value=self.state.tensor_parallel_size, description="TP")
-        self.block_size = widgets.Dropdown(options=[8, 16, 32], value=self.state.block_size,
-                                           description="block_size")
-        self.max_model_len = widgets.Dropdown(options=[2048, 4096, 8192, 32768, 131072],
-                                              value=self.state.max_model_len,
-                                              description="max_model_len")
-        self.image = widgets.Image(format="png")
-        self.summary = widgets.HTML()
-        for w in (self.preset, self.memory, self.utilization, self.tp, self.block_size,
-                  self.max_model_len):
-            w.observe(self._on_change, names="value")
-        self.widget = widgets.VBox([
-            widgets.HBox([self.preset, self.tp, self.block_size]),
-            widgets.HBox([self.memory, self.utilization, self.max_model_len]),
-            self.image, self.summary])
-        self._redraw()
-
-    @staticmethod
-    def _tp_options(preset: str) -> list[int]:
-        return [t for t in cap._valid_tp_sizes(cap.get_preset(preset)) if t <= 16]
-
-    def _on_change(self, change: dict) -> None:
-        if change["owner"] is self.preset:
-            options = self._tp_options(self.preset.value)
-            tp = self.tp.value if self.tp.value in options else 1
-            self.tp.unobserve(self._on_change, names="value")
-            self.tp.options, self.tp.value = options, tp
-            self.tp.observe(self._on_change, names="value")
-        self.state = replace(self.state, preset=self.preset.value,
-                             total_gpu_memory_gib=float(self.memory.value),
-                             gpu_memory_utilization=round(self.utilization.value, 2),
-                             tensor_parallel_size=self.tp.value,
-                             block_size=self.block_size.value,
-                             max_model_len=self.max_model_len.value)
-        self._redraw()
-
-    def _redraw(self) -> None:
-        self.image.value = figure_png(draw_explorer_state(self.state))
-        self.summary.value = f"<pre>{html.escape(self.state.summary())}</pre>"

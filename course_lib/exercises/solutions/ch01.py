@@ -17,8 +17,23 @@ def kv_bytes_from_config(config, tensor_parallel_size):
     return layers * 2 * kv_heads_per_rank * head_dim * dtype_bytes
 
 
-def tokens_that_fit(memory_gib, bytes_per_token):
-    return round(memory_gib * 2**30) // bytes_per_token
+def max_batch_size(config, gpu_memory_gib, prompt_len, output_len):
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+    mlp = 3 * hidden * config["intermediate_size"]          # gate, up, down
+    layer = attention + mlp + 2 * hidden                    # and two RMSNorm weights
+    params = vocab * hidden + config["num_hidden_layers"] * layer + hidden   # + final norm
+    if not config.get("tie_word_embeddings"):
+        params += vocab * hidden                            # lm_head, unless it is the embedding
+    weights = params * DTYPE_BYTES[config["torch_dtype"]]
+    free = round(gpu_memory_gib * 2**30) - weights
+    if free < 0:
+        return 0                                            # the model does not even load
+    per_request = kv_bytes_from_config(config, 1) * (prompt_len + output_len)
+    return free // per_request
 
 
 def decode_with_gqa_cache(x, Wq, Wk, Wv, num_heads, num_kv_heads):

@@ -1,5 +1,5 @@
 """Solutions of chapter 04's exercises: the paged gather and the one-head decode loop as Triton
-kernels, and the split-K merge in torch.
+kernels, and the split-K merge of two partial attentions, one program per head.
 
 The kernels exist only where Triton runs (``BACKEND.uses_triton``), as in the notebook's cells.
 The caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -52,6 +52,21 @@ if BACKEND.uses_triton:
             m = m_new
         tl.store(out_ptr + d, acc / total)
 
+    @triton.jit
+    def merge_kernel(out_a, lse_a, out_b, lse_b, out, lse_out, HEAD_DIM: tl.constexpr):
+        h = tl.program_id(0)                           # one program per head
+        a = tl.load(lse_a + h)
+        b = tl.load(lse_b + h)
+        m = tl.maximum(a, b)
+        m = tl.where(m == float("-inf"), 0.0, m)       # both empty: keep -inf - -inf away
+        lse = m + tl.log(tl.exp(a - m) + tl.exp(b - m))
+        ref = tl.where(lse == float("-inf"), 0.0, lse)
+        d = tl.arange(0, HEAD_DIM)
+        merged = (tl.exp(a - ref) * tl.load(out_a + h * HEAD_DIM + d)
+                  + tl.exp(b - ref) * tl.load(out_b + h * HEAD_DIM + d))
+        tl.store(out + h * HEAD_DIM + d, merged)
+        tl.store(lse_out + h, lse)
+
 
 def gather_kv(key_cache, value_cache, block_table, seq_len):
     _, block_size, heads, head_dim = key_cache.shape
@@ -73,9 +88,8 @@ def decode_one_head(q, key_cache, value_cache, block_table, seq_len):
 
 
 def merge_attn_states(out_a, lse_a, out_b, lse_b):
-    lse = torch.logaddexp(lse_a, lse_b)
-    both_empty = torch.isinf(lse) & (lse < 0)
-    ref = torch.where(both_empty, torch.zeros_like(lse), lse)   # avoid -inf - -inf = nan
-    w_a = torch.exp(lse_a - ref).unsqueeze(-1)
-    w_b = torch.exp(lse_b - ref).unsqueeze(-1)
-    return w_a * out_a + w_b * out_b, lse
+    heads, head_dim = out_a.shape
+    out = torch.empty_like(out_a)
+    lse = torch.empty_like(lse_a)
+    merge_kernel[(heads,)](out_a, lse_a, out_b, lse_b, out, lse, HEAD_DIM=head_dim)
+    return out, lse

@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 
-def block_to_copy(block_table, num_tokens, ref_counts, block_size):
-    if num_tokens % block_size == 0:          # last block full: the token opens a new block
-        return None
-    last = block_table[-1]
-    return last if ref_counts[last] > 1 else None
+def beam_blocks(tables, num_tokens, picks, block_size):
+    refs = {}                                     # a block's count: the tables that hold it
+    for table in tables.values():
+        for block in table:
+            refs[block] = refs.get(block, 0) + 1
+    freed = []
+    for beam, table in tables.items():            # a beam nobody picked is dropped
+        if beam not in picks:
+            for block in table:
+                refs[block] -= 1
+                if refs[block] == 0:
+                    freed.append(block)
+    for beam in set(picks):                       # picked k times: k - 1 forks
+        for block in tables[beam]:
+            refs[block] += picks.count(beam) - 1
+    held = sum(1 for count in refs.values() if count > 0)
+    copied = []
+    if num_tokens % block_size == 0:              # full last blocks: each beam opens a new one
+        held += len(picks)
+    else:                                         # r beams on one partial block: r - 1 copies
+        for last in {tables[beam][-1] for beam in picks}:
+            copied += [last] * (refs[last] - 1)
+        held += len(copied)
+    return freed, copied, held
 
 
 def blocks_held(num_samples, prompt_len, gen_len, block_size):

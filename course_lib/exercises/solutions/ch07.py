@@ -11,9 +11,47 @@ def prefill_chunks(prompt_len, max_num_batched_tokens, num_decoding):
     return chunks
 
 
-def pick_victim(requests):
-    request_id, _ = max(requests, key=lambda r: (r[1], r[0]))   # latest arrival, then larger id
-    return request_id
+def schedule_running_and_swapped(running, swapped, num_free_gpu_blocks, num_free_cpu_blocks,
+                                 block_size, preemption_mode):
+    def blocks(tokens):
+        return -(-tokens // block_size)
+
+    def by_arrival(request):
+        request_id, arrival_time, _ = request
+        return arrival_time, request_id
+
+    queue = sorted(running, key=by_arrival)        # V0 serves the oldest first
+    gpu, cpu = num_free_gpu_blocks, num_free_cpu_blocks
+    decoded, preempted, swapped_in = [], [], []
+    while queue:
+        request_id, _, computed = queue.pop(0)
+        need = blocks(computed + 1) - blocks(computed)   # a new block when the last one is full
+        preempted_itself = False
+        while need > gpu:
+            if queue:
+                victim_id, _, victim_computed = queue.pop()   # the last to arrive
+            else:
+                victim_id, victim_computed = request_id, computed
+            held = blocks(victim_computed)
+            if preemption_mode == "swap" and held <= cpu:
+                cpu -= held
+                preempted.append((victim_id, "swap"))
+            else:
+                preempted.append((victim_id, "recompute"))
+            gpu += held
+            if victim_id == request_id:
+                preempted_itself = True
+                break
+        if not preempted_itself:
+            gpu -= need
+            decoded.append(request_id)
+    if not preempted:                              # swap in only in a step without victims
+        for request_id, _, computed in sorted(swapped, key=by_arrival):
+            if blocks(computed + 1) > gpu:         # its blocks and its next token's
+                break
+            gpu -= blocks(computed + 1)
+            swapped_in.append(request_id)
+    return decoded, preempted, swapped_in
 
 
 def cheaper_preemption(num_tokens, block_size, kv_bytes_per_token, s_per_token):

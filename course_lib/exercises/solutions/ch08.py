@@ -28,6 +28,12 @@ def kv_heads_per_rank(num_kv_heads, tensor_parallel_size):
     return max(1, num_kv_heads // tp)
 
 
-def max_num_requests(num_gpu_blocks, block_size, max_model_len):
-    blocks_per_request = -(-max_model_len // block_size)     # a partial block is a whole one
-    return num_gpu_blocks // blocks_per_request
+def max_num_requests(num_gpu_blocks, block_size, requests):
+    need = []                  # need[s]: blocks the admitted requests hold in step s
+    for admitted, (prompt_len, output_len) in enumerate(requests):
+        need += [0] * (output_len - len(need))
+        for s in range(output_len):                   # step s: prompt + s tokens cached
+            need[s] += -(-(prompt_len + s) // block_size)
+        if max(need) > num_gpu_blocks:
+            return admitted                           # this one would overflow a step
+    return len(requests)

@@ -31,3 +31,22 @@ def cache_ops(eng, out):
     for k, v in eng.gpu_caches:
         for src, dst in out.blocks_to_copy:
             k[dst], v[dst] = k[src], v[src]
+
+
+def serving_metrics(records, percentile):
+    import numpy as np
+
+    ttfts, tpots, itls, e2els = [], [], [], []
+    for sent, times in records:
+        ttfts.append(times[0] - sent)                 # first token, from when it was sent
+        e2els.append(times[-1] - sent)                # last token
+        if len(times) > 1:                            # one token: no TPOT
+            tpots.append((times[-1] - times[0]) / (len(times) - 1))
+        itls += [times[i + 1] - times[i] for i in range(len(times) - 1)]   # all gaps, pooled
+
+    def stats(xs):
+        xs = xs or [0]                                # vLLM: np.mean(xs or 0)
+        return np.mean(xs) * 1000, np.percentile(xs, percentile) * 1000
+
+    return {"ttft": stats(ttfts), "tpot": stats(tpots), "itl": stats(itls),
+            "e2el": stats(e2els)}

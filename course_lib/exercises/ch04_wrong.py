@@ -1,0 +1,138 @@
+"""Plausible wrong answers to chapter 04's exercises, which its checkers must fail (see
+``Exercise.wrong`` and tests/test_exercises.py): Triton kernels with one mistake each, and the
+right numbers computed without a kernel of one's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from course_lib.device import BACKEND
+
+if BACKEND.uses_triton:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_wrong(k_cache, v_cache, table, k_out, v_out, BLOCK_SIZE: tl.constexpr,
+                      ROW: tl.constexpr, ROW_PAD: tl.constexpr, MODE: tl.constexpr):
+        pos = tl.program_id(0)
+        if MODE == 0:                  # the logical block taken for the physical one
+            slot = pos
+        else:                          # the table entry taken for a slot, not a block
+            slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) + pos % BLOCK_SIZE
+        cols = tl.arange(0, ROW_PAD)
+        keep = cols < ROW
+        tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols, mask=keep),
+                 mask=keep)
+        tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols, mask=keep),
+                 mask=keep)
+
+    @triton.jit
+    def _decode_wrong(q_ptr, k_cache, v_cache, table, out_ptr, seq_len, scale,
+                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RESCALE: tl.constexpr):
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + d)
+        m = tl.full([], float("-inf"), tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        for logical in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+            page = tl.load(table + logical).to(tl.int64)
+            offs = tl.arange(0, BLOCK_SIZE)
+            valid = logical * BLOCK_SIZE + offs < seq_len
+            rows = (page * BLOCK_SIZE + offs)[:, None] * HEAD_DIM + d[None, :]
+            k = tl.load(k_cache + rows, mask=valid[:, None], other=0.0)
+            if RESCALE:
+                v = tl.load(v_cache + rows)            # only the scores are masked
+            else:
+                v = tl.load(v_cache + rows, mask=valid[:, None], other=0.0)
+            s = tl.where(valid, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            p = tl.exp(s - m_new)
+            if RESCALE:
+                total = total * tl.exp(m - m_new) + tl.sum(p, axis=0)
+                acc = acc * tl.exp(m - m_new) + tl.sum(p[:, None] * v, axis=0)
+            else:                                      # forgets exp(m - m_new)
+                total = total + tl.sum(p, axis=0)
+                acc = acc + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        tl.store(out_ptr + d, acc / total)
+
+    @triton.jit
+    def _merge_wrong(out_a, lse_a, out_b, lse_b, out, lse_out, HEAD_DIM: tl.constexpr,
+                     MODE: tl.constexpr):
+        h = tl.program_id(0)
+        a = tl.load(lse_a + h)
+        b = tl.load(lse_b + h)
+        d = tl.arange(0, HEAD_DIM)
+        oa = tl.load(out_a + h * HEAD_DIM + d)
+        ob = tl.load(out_b + h * HEAD_DIM + d)
+        if MODE == 0:                  # the average, and the larger lse
+            tl.store(out + h * HEAD_DIM + d, (oa + ob) / 2)
+            tl.store(lse_out + h, tl.maximum(a, b))
+        else:                          # right, but -inf - -inf = NaN when both are empty
+            m = tl.maximum(a, b)
+            lse = m + tl.log(tl.exp(a - m) + tl.exp(b - m))
+            tl.store(out + h * HEAD_DIM + d, tl.exp(a - lse) * oa + tl.exp(b - lse) * ob)
+            tl.store(lse_out + h, lse)
+
+
+def _gather_with(mode: int) -> Callable:
+    def gather_kv(key_cache, value_cache, block_table, seq_len):
+        _, bs, heads, head_dim = key_cache.shape
+        k = torch.empty(seq_len, heads, head_dim, device=key_cache.device)
+        v = torch.empty_like(k)
+        _gather_wrong[(seq_len,)](key_cache, value_cache, block_table, k, v, BLOCK_SIZE=bs,
+                                  ROW=heads * head_dim,
+                                  ROW_PAD=triton.next_power_of_2(heads * head_dim), MODE=mode)
+        return k, v
+    return gather_kv
+
+
+def _decode_with(rescale: bool) -> Callable:
+    def decode_one_head(q, key_cache, value_cache, block_table, seq_len):
+        out = torch.empty(q.shape[0], device=q.device)
+        _decode_wrong[(1,)](q, key_cache, value_cache, block_table, out, seq_len,
+                            q.shape[0] ** -0.5, BLOCK_SIZE=key_cache.shape[1],
+                            HEAD_DIM=q.shape[0], RESCALE=rescale)
+        return out
+    return decode_one_head
+
+
+def _gather_in_torch(key_cache, value_cache, block_table, seq_len):
+    """Wrong for this exercise: the right gather, in torch (indexing), with no kernel."""
+    pos = torch.arange(seq_len, device=key_cache.device)
+    page = block_table.long()[pos // key_cache.shape[1]]
+    return key_cache[page, pos % key_cache.shape[1]], value_cache[page, pos % key_cache.shape[1]]
+
+
+def _decode_with_course_kernel(q, key_cache, value_cache, block_table, seq_len):
+    """Wrong for this exercise: the course's paged-attention kernel does the work."""
+    from course_lib.kernels import paged_attention
+
+    out = paged_attention(q.view(1, 1, -1), key_cache, value_cache, block_table[None],
+                          torch.tensor([seq_len], dtype=torch.int32, device=q.device),
+                          impl="triton")
+    return out.view(-1).float()
+
+
+def _merge_with(mode: int) -> Callable:
+    def merge_attn_states(out_a, lse_a, out_b, lse_b):
+        out, lse = torch.empty_like(out_a), torch.empty_like(lse_a)
+        _merge_wrong[(out_a.shape[0],)](out_a, lse_a, out_b, lse_b, out, lse,
+                                        HEAD_DIM=out_a.shape[1], MODE=mode)
+        return out, lse
+    return merge_attn_states
+
+
+_merge_average, _merge_nan_when_both_empty = _merge_with(0), _merge_with(1)
+
+
+def _merge_in_torch(out_a, lse_a, out_b, lse_b):
+    """Wrong for this exercise: the right merge, in torch."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return (torch.exp(lse_a - ref).unsqueeze(-1) * out_a
+            + torch.exp(lse_b - ref).unsqueeze(-1) * out_b, lse)
