@@ -23,6 +23,11 @@ Requests are checked when they are added (:meth:`LLMEngine.add_request`), so tha
 fails at once and names itself instead of failing a step later.
 
 :meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
+
+This module is the loop: construction, requests in, :meth:`LLMEngine.step`, ``generate``. The
+checks on what comes in are in ``inputs.py``, what comes out in ``outputs.py`` (with the top-k
+``logprobs`` in ``logprobs.py``), and what follows a failed step (put back, blame, finish the
+culprit) in ``recovery.py``, mixed in.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 
 from tqdm.auto import tqdm
 
@@ -38,17 +42,18 @@ from ..config import CacheConfig, SchedulerConfig
 from ..model import EOS_ID, ByteTokenizer, TinyLlama
 from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerV1
 from ..scheduler.metrics import Metrics
-from ..sequence import (
-    Request,
-    RequestFailed,
-    SamplingParams,
-    SequenceStatus,
-    is_int,
-    token_ids_or_error,
-)
+from ..sequence import Request, RequestFailed, SamplingParams
+from .inputs import check_request_id, generate_inputs, prompt_token_ids, request_params
+from .logprobs import attach_logprobs, top_logprobs
 from .model_runner import ModelRunner
-from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk, put_back
+from .outputs import CompletionOutput, RequestOutput, request_output
+from .recovery import StepRecovery
+from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk
 from .sampler import sample
+
+# ``_sample_twice`` and ``_protect`` call ``sample`` and ``blocks_at_risk`` by this module's
+# names, so that tests and ``bench/chaos.py`` can replace them here.
+__all__ = ["DESIGNS", "CompletionOutput", "LLMEngine", "RequestOutput"]
 
 # The engine's core, by vLLM generation: "v0" is the paper's and vLLM V0's design (block
 # manager with copy-on-write and swap, prefill and decode phases); "v1" is vLLM V1's (the
@@ -57,39 +62,7 @@ from .sampler import sample
 DESIGNS = {"v0": Scheduler, "v1": SchedulerV1}
 
 
-@dataclass
-class CompletionOutput:
-    """One generated sequence: sample ``index`` (parallel sampling) or the ``index``-th best
-    beam (beam search)."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    cumulative_logprob: float
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length", "abort", "ignored"
-    logprobs: list[list[tuple[int, float]]] | None = None   # per token: the top-k, best first
-
-
-@dataclass
-class RequestOutput:
-    """A finished request: its prompt, its outputs and its timings (seconds)."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    num_cached_tokens: int    # prompt tokens found in the prefix cache
-    num_preemptions: int
-    ttft: float | None        # arrival -> first token
-    latency: float | None     # arrival -> finished
-    finish_reason: str | None = None   # the request's code (see CompletionOutput)
-    finish_detail: str | None = None   # why it was aborted or ignored, in a sentence
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text if self.outputs else ""
-
-
-class LLMEngine:
+class LLMEngine(StepRecovery):
     """Paged-KV serving of one model. Defaults fit the tiny model on a CPU.
 
     ``scheduler_config.max_model_len`` defaults to (and may not exceed) the model's context.
@@ -154,13 +127,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------- requests
     def _check_prompt(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
         """Text (encoded with BOS) or token ids: ints in the vocabulary, at least one."""
-        if isinstance(prompt, str):
-            ids = tuple(self.tokenizer.encode(prompt))
-        else:
-            ids = token_ids_or_error(prompt, self.model.config.vocab_size, "prompt token ids")
-        if not ids:
-            raise ValueError("the prompt must hold at least one token")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model.config.vocab_size)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: int | None = None, arrival_time: float | None = None, *,
@@ -174,21 +141,10 @@ class LLMEngine:
         salt share cached blocks, so one tenant cannot learn another's prompts from
         ``num_cached_tokens``."""
         ids = self._check_prompt(prompt)
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.use_beam_search:
-            raise ValueError("logprobs with beam_width > 1: the beams' scores are their "
-                             "cumulative logprobs already; ask for logprobs without beams")
-        extra = tuple(t for t in sorted(self.stop_token_ids) if t not in params.stop_token_ids)
-        if extra:                              # the engine's stop tokens (EOS) join the request's
-            params = replace(params, stop_token_ids=params.stop_token_ids + extra)
+        params = request_params(params, self.stop_token_ids)
         if request_id is None:
             request_id = self._next_request_id
-        if not is_int(request_id) or request_id < 0:
-            raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id} is already in use")
+        check_request_id(request_id, self._requests)
         req = self.scheduler.add_request(request_id, ids, params,
                                          self.now() if arrival_time is None else arrival_time,
                                          cache_salt)
@@ -245,43 +201,16 @@ class LLMEngine:
                     samples[e.seq.seq_id] = self._sample_twice(e, logits[e.seq.seq_id])
                 except Exception as exc:          # this request's sampling: it alone failed
                     raise RequestFailed(rid, exc) from exc
-        tops = self._top_logprobs(out, logits)
+        tops = top_logprobs(out, logits)
         now = self.now()
         finished = sched.update(out, samples, now)
-        self._attach_logprobs(out, tops)
+        attach_logprobs(out, tops)
         self.num_steps += 1
         self.metrics.update(sched)
         self.metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
         self.metrics.observe_finished(finished)
         self.last_output = out
         return [self._output(r) for r in finished]
-
-    @staticmethod
-    def _top_logprobs(out: SchedulerOutput, logits) -> dict[int, list[tuple[int, float]]]:
-        """The top-k (token, logprob) at each sampled position of a request that asked for
-        ``logprobs=k`` (vLLM's name), best first (log_softmax of the model's logits)."""
-        import torch
-
-        tops = {}
-        for e in out.scheduled:
-            k = e.request.sampling_params.logprobs
-            if e.num_candidates and k:
-                lp = torch.log_softmax(logits[e.seq.seq_id].float(), dim=-1)
-                top = torch.topk(lp, min(k, lp.numel()))
-                tops[e.seq.seq_id] = [(int(t), float(v)) for v, t in
-                                      zip(top.values, top.indices, strict=True)]
-        return tops
-
-    @staticmethod
-    def _attach_logprobs(out: SchedulerOutput, tops: dict[int, list]) -> None:
-        """Give each sequence that got a token its position's top-k; samples forked from a
-        prompt in this step share the prompt's (one position, one distribution)."""
-        for e in out.scheduled:
-            if e.seq.seq_id not in tops:
-                continue
-            for seq in e.request.seqs:
-                if len(seq.output_logprobs) < len(seq.output_token_ids):
-                    seq.output_logprobs.append(tops.get(seq.seq_id, tops[e.seq.seq_id]))
 
     def _sample_twice(self, entry: ScheduledSeq, logits) -> list[tuple[int, float]]:
         """Sample (a seeded, pure function of the logits); a failure is tried once more, so
@@ -298,67 +227,10 @@ class LLMEngine:
                                   self.block_manager.block_size)
         self._backup = back_up(self.runner.gpu_caches, self.runner.cpu_caches, gpu, cpu)
 
-    def _rollback(self, checkpoint: Checkpoint) -> None:
-        self.scheduler.restore(checkpoint.scheduler)
-        self.runner.set_counters(checkpoint.runner_counters)
-        if self._backup is not None:
-            put_back(self.runner.gpu_caches, self.runner.cpu_caches, self._backup)
-        self._backup = None
-
-    def _diagnose(self, checkpoint: Checkpoint) -> tuple[int, BaseException] | None:
-        """After a failed step (already rolled back): run it again with one forward per
-        request. A request is to blame when its forward fails alone, twice (a transient fault
-        rarely strikes twice), while another one's succeeds; if every forward fails (the
-        device, not a request) or all succeed (a transient fault), nobody is. The state is
-        rolled back again whatever happens."""
-        try:
-            out = self.scheduler.schedule()
-            self._protect(out, checkpoint)
-            self.runner.execute_cache_ops(out)
-            by_request: dict[int, list[ScheduledSeq]] = {}
-            for e in out.scheduled:
-                by_request.setdefault(e.request.request_id, []).append(e)
-            failures = []
-            for rid, entries in by_request.items():
-                for attempt in range(2):
-                    try:
-                        self.runner.execute_model(entries)
-                        break
-                    except Exception as exc:
-                        if attempt:
-                            failures.append((rid, exc))
-            return failures[0] if 0 < len(failures) < len(by_request) else None
-        except Exception:
-            return None
-        finally:
-            self._rollback(checkpoint)
-
-    def _fail_request(self, request_id: int, cause: BaseException) -> RequestOutput:
-        """Finish the request whose own work failed, alone; the others go on."""
-        req = self._requests[request_id]
-        self.scheduler.finish_request(request_id, SequenceStatus.FINISHED_ERROR,
-                                      f"failed in step {self.num_steps}: "
-                                      f"{type(cause).__name__}: {cause}")
-        req.finished_time = self.now()
-        self.metrics.update(self.scheduler)
-        return self._output(req)
-
     def _output(self, req: Request) -> RequestOutput:
         self._requests.pop(req.request_id, None)
         self._seeds.pop(req.request_id, None)
-        seqs = req.ordered_seqs()
-        outs = [CompletionOutput(i if req.sampling_params.use_beam_search else s.index,
-                                 list(s.output_token_ids),
-                                 self.tokenizer.decode(s.output_token_ids),
-                                 s.cumulative_logprob, s.status.finish_reason,
-                                 [list(t) for t in s.output_logprobs]
-                                 if req.sampling_params.logprobs is not None else None)
-                for i, s in enumerate(seqs)]
-        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
-        latency = None if req.finished_time is None else req.finished_time - req.arrival_time
-        return RequestOutput(req.request_id, list(req.prompt_token_ids), outs,
-                             req.num_cached_tokens, req.num_preemptions, ttft, latency,
-                             req.finish_reason, req.finish_detail)
+        return request_output(req, self.tokenizer)
 
     # ----------------------------------------------------------------------- generate
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -368,18 +240,7 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         """Run ``prompts`` (all arriving now) to completion; outputs in the prompts' order.
         ``on_step(engine, scheduler_output)`` is called after every step (for drawings)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"one SamplingParams per prompt: {len(prompts)} prompts, "
-                             f"{len(params)} params")
-        for i, p in enumerate(prompts):        # all checked before any is queued
-            try:
-                self._check_prompt(p)
-            except ValueError as exc:
-                raise ValueError(f"prompt {i}: {exc}") from None
+        prompts, params = generate_inputs(prompts, params, self._check_prompt)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}

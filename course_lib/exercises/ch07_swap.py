@@ -1,5 +1,5 @@
 """Chapter 07's exercise 7.2: one decode step of vLLM V0's scheduler with its victims, swap out
-and swap in (``Scheduler._schedule_running`` and ``_schedule_swapped``).
+and swap in (vLLM 0.6.3's ``Scheduler._schedule_running`` and ``_schedule_swapped``).
 
 The reference is the library's V0 :class:`~course_lib.scheduler.Scheduler`, set up in the
 state a case describes (requests decoding on the GPU, others swapped out to the CPU pool) and

@@ -2,6 +2,9 @@
 
 * ``scheduler``         :class:`Scheduler`: continuous batching, chunked prefill, preemption by
                         recompute or swap; owns the :class:`~course_lib.memory.BlockManager`
+* ``queues``            its request queues (add, abort, finish) and ``check_invariants``
+* ``update``            the second half of a step: sampled tokens applied, finished freed
+* ``snapshot``          snapshot / restore, for the engine's all-or-nothing step
 * ``policy``            :class:`SchedulingBudget` and the victim policies
 * ``admission``         room for a decode, a prompt or a swap-in; why a request can never fit
 * ``output``            :class:`SchedulerOutput` / :class:`ScheduledSeq`: one step's decision,

@@ -15,41 +15,37 @@ run ``blocks_to_swap_out`` first (the freed GPU blocks may be reused in the same
 ``blocks_to_swap_in`` and ``blocks_to_copy``, then the forward pass; then call
 :meth:`Scheduler.update` with the sampled tokens, which marks the computed blocks (prefix
 cache), appends tokens, forks samples and beams, and frees finished sequences.
+
+This module is the first half of a step: which sequences run, with their blocks. The rest of
+:class:`Scheduler` is mixed in from its own modules: the request queues outside a step and
+their invariants (``queues.py``), applying a step's results (``update.py``), snapshot and
+restore (``snapshot.py``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
-from collections.abc import Sequence as SequenceABC
-from typing import NamedTuple
 
 from ..config import CacheConfig, SchedulerConfig
-from ..memory import AllocStatus, BlockManager, ManagerSnapshot
-from ..sequence import Request, RequestFailed, SamplingParams, Sequence, SequenceStatus
+from ..memory import AllocStatus, BlockManager
+from ..sequence import Request, Sequence, SequenceStatus
 from . import admission as checks
 from .output import ScheduledSeq, SchedulerOutput
-from .output_processor import apply_samples
 from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
+from .queues import RequestQueues
+from .snapshot import SchedulerSnapshot, SnapshotRestore
+from .update import StepUpdate
+
+__all__ = ["Scheduler", "SchedulerSnapshot"]
 
 S = SequenceStatus
-
-
-class SchedulerSnapshot(NamedTuple):
-    """``Scheduler.snapshot()``: the queues, counters, request and sequence fields, blocks."""
-    waiting: list[Request]
-    running: list[Request]
-    swapped: list[Request]
-    counters: tuple[int, ...]
-    requests: list[tuple]
-    block_manager: ManagerSnapshot
 
 
 def _fcfs(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
 
 
-class Scheduler:
+class Scheduler(RequestQueues, StepUpdate, SnapshotRestore):
     """Decides each step's batch and owns the :class:`BlockManager` (``self.block_manager``)."""
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
@@ -71,53 +67,6 @@ class Scheduler:
         self.num_prompt_tokens = 0         # vllm:prompt_tokens_total (recomputed ones included)
         self.num_generated_tokens = 0      # vllm:generation_tokens_total
         self._next_seq_id = 0
-
-    # ------------------------------------------------------------------------ requests
-    def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
-                    sampling_params: SamplingParams | None = None,
-                    arrival_time: float = 0.0, cache_salt: str | None = None) -> Request:
-        """Queue a request (checked first: ``ValueError`` changes nothing). Requests with the
-        same ``cache_salt`` (vLLM's name) share prefix-cache blocks, others never do."""
-        req = Request(request_id, tuple(prompt_token_ids), sampling_params or SamplingParams(),
-                      arrival_time, cache_salt=cache_salt)
-        req.seqs.append(Sequence(self.new_seq_id(), req.prompt_token_ids, 0))
-        self.waiting.append(req)
-        return req
-
-    def new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
-
-    def abort_request(self, request_id: int) -> bool:
-        """Finish a request wherever it is, freeing its blocks; False if it is not here."""
-        return self.finish_request(request_id, S.FINISHED_ABORTED, "aborted by the user")
-
-    def finish_request(self, request_id: int, status: SequenceStatus, detail: str) -> bool:
-        """Take a request out of its queue and finish it with ``status`` (``detail``: why),
-        freeing its blocks; False if it is not queued here."""
-        for queue in (self.waiting, self.running, self.swapped):
-            for req in queue:
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    self._finish(req, status, detail)
-                    return True
-        return False
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    @property
-    def num_running_seqs(self) -> int:
-        return sum(len(r.unfinished_seqs) for r in self.running)
-
-    def _finish(self, req: Request, status: SequenceStatus, detail: str) -> None:
-        """Finish every live sequence of ``req`` with ``status`` (its short code becomes the
-        request's ``finish_reason``) and free their blocks; ``detail`` says why."""
-        for seq in req.unfinished_seqs:
-            if self.block_manager.has_seq(seq.seq_id):
-                self.block_manager.free(seq.seq_id)
-            seq.status = status
-        req.finish_reason, req.finish_detail = status.finish_reason, detail
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -284,94 +233,3 @@ class Scheduler:
                 seq.status = S.RUNNING
             self._schedule_prefill(req, budget, out)
             self.running.append(req)
-
-    # --------------------------------------------------------------------------- update
-    def update(self, out: SchedulerOutput,
-               samples: Mapping[int, SequenceABC[tuple[int, float]]],
-               now: float = 0.0) -> list[Request]:
-        """Apply a step's results: ``samples[seq_id]`` holds the (token, logprob) candidates
-        of each scheduled entry with ``num_candidates > 0``. Returns the requests finished now.
-        Counts the prompt tokens computed and the tokens generated (``num_prompt_tokens``,
-        ``num_generated_tokens``: what ``vllm:prompt_tokens`` / ``generation_tokens`` count)."""
-        bm = self.block_manager
-        sampled: dict[int, list[ScheduledSeq]] = {}     # request_id -> its entries that sample
-        for e in out.scheduled:
-            seq, req = e.seq, e.request
-            if seq.status != S.RUNNING:
-                continue                                  # aborted in between
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            seq.num_computed_tokens += e.num_tokens
-            # a decode token fills no block unless it is a block's last: then nothing to mark
-            if e.is_prefill or seq.num_computed_tokens % self.cache_config.block_size == 0:
-                bm.mark_blocks_as_computed(seq.seq_id, seq.num_computed_tokens)
-            if e.is_prefill:
-                self.num_prompt_tokens += e.num_tokens
-            if e.num_candidates:
-                sampled.setdefault(req.request_id, []).append(e)
-        finished = []
-        for entries in sampled.values():
-            req = entries[0].request
-            if req.first_token_time is None:
-                req.first_token_time = now
-            try:
-                self.num_generated_tokens += apply_samples(
-                    req, entries, samples, bm, self.new_seq_id, self.config.max_model_len)
-            except Exception as exc:       # this request's samples: it alone is to blame
-                raise RequestFailed(req.request_id, exc) from exc
-            if req.is_finished:
-                req.finished_time = now
-                finished.append(req)
-        if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
-        for req in out.ignored:
-            req.finished_time = now
-        return finished + out.ignored
-
-    # ------------------------------------------------------------ snapshot / restore
-    def snapshot(self) -> SchedulerSnapshot:
-        """Everything a step can change: the queues, the counters, each queued request's
-        fields and sequences, and the block manager (see ``LLMEngine.step``). A sequence's
-        output list is only ever appended to, so its length is enough to restore it."""
-        reqs = [(req, req.save()) for req in (*self.waiting, *self.running, *self.swapped)]
-        return SchedulerSnapshot(
-            list(self.waiting), list(self.running), list(self.swapped),
-            (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
-             self.num_generated_tokens, self._next_seq_id),
-            reqs, self.block_manager.snapshot())
-
-    def restore(self, snap: SchedulerSnapshot) -> None:
-        """Put the queues, requests, sequences, counters and blocks back as in ``snap``."""
-        self.waiting = deque(snap.waiting)
-        self.running, self.swapped = list(snap.running), list(snap.swapped)
-        (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
-         self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for req, state in snap.requests:
-            req.load(state)
-        self.block_manager.restore(snap.block_manager)
-
-    def check_invariants(self) -> None:
-        """Every queued sequence has the status of its queue; running ones hold GPU tables,
-        swapped ones CPU tables, waiting ones none; no table belongs to no queue; and the
-        block manager's own invariants. Call it after schedule() or update() (tests)."""
-        bm = self.block_manager
-        bm.check_invariants()
-        held: set[int] = set()
-        for queue, status, device in ((self.running, S.RUNNING, "gpu"),
-                                      (self.swapped, S.SWAPPED, "cpu"),
-                                      (self.waiting, S.WAITING, None)):
-            for req in queue:
-                assert not req.is_finished, f"request {req.request_id} finished but queued"
-                for seq in req.unfinished_seqs:
-                    assert seq.status == status, f"seq {seq.seq_id}: {seq.status} in {status}"
-                    if device is None:
-                        assert not bm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
-                        continue
-                    table = bm.get_table(seq.seq_id)
-                    assert table.device == device, f"seq {seq.seq_id} on {table.device}"
-                    assert seq.num_computed_tokens <= table.num_tokens <= len(seq), \
-                        f"seq {seq.seq_id}: {seq.num_computed_tokens} computed, " \
-                        f"{table.num_tokens} in its table, {len(seq)} tokens"
-                    held.add(seq.seq_id)
-        assert held == set(bm.seq_ids()), "block tables of sequences no queue holds"
