@@ -8,23 +8,28 @@ Exercises: a step's flat batch (positions, and the rows the sampler reads: none 
 chunk that stops short of the prompt's end), one beam-search step (cumulative log-probabilities,
 forks and drops), the memory sharing saves. ``tests/test_exercises_ch10.py`` checks the
 references against the engine (``make_attention_metadata``, the scheduler's beam step,
-``workloads.saving_of_tables``).
+``workloads.saving_of_tables``). 10.2's reference and checker live in
+:mod:`course_lib.exercises.ch10_beams` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from course_lib import capacity as cap
 from course_lib.claims.sources import cite
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import PAPER_SHARING_SAVINGS, saving_of_tables, sharing_savings
 from course_lib.exercises import Exercise, Exercises, Verdict, check, judge_cases, returns
+from course_lib.exercises.ch10_beams import WRONG as _WRONG_BEAMS
+from course_lib.exercises.ch10_beams import (  # noqa: F401  (10.2, re-exported)
+    Beam,
+    _beam_cases,
+    beam_step,
+    check_beam_step,
+)
 from course_lib.exercises.solutions import ch10 as solutions
 from course_lib.scheduler.metrics import Metrics
 from course_lib.sequence import SamplingParams
@@ -176,76 +181,6 @@ def check_flatten_step(fn: Callable[[list[Entry]], tuple[list[int], list[int | N
                        returns(_judge_flatten), lambda case: f"batch {case[0]}")
 
 
-Beam = tuple[list[int], float]                       # (generated tokens, cumulative logprob)
-
-
-def beam_step(beams: list[Beam], logits: list[list[float]], width: int
-              ) -> list[tuple[list[int], float, int]]:
-    """Reference of 10.2: the ``width`` best (beam + token) by cumulative log-probability
-    (``score + log_softmax(logits)[token]``), best first, ties to the smaller token list:
-    ``(tokens + [token], new score, index of the parent beam)``. With ``width == 1`` this is
-    greedy decoding that adds up log-probabilities. (Like the engine, only each beam's
-    ``2 * width`` best tokens can be among the winners, so only those are looked at.)"""
-    scored = []
-    for parent, ((tokens, score), row) in enumerate(zip(beams, logits, strict=True)):
-        logprobs = torch.log_softmax(torch.tensor(row, dtype=torch.float64), dim=0)
-        top = torch.topk(logprobs, min(2 * width, len(row)))
-        for lp, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-            scored.append((score + lp, [*tokens, t], parent))
-    scored.sort(key=lambda c: (-c[0], c[1]))
-    return [(tokens, score, parent) for score, tokens, parent in scored[:width]]
-
-
-def _beam_cases() -> list[tuple[list[Beam], list[list[float]], int]]:
-    rng = random.Random(11)
-    cases = [([([], 0.0)], [[0.0, 1.0, 2.0, 3.0]], 1),             # width 1: greedy
-             ([([5], -0.5)], [[0.0, 1.0, 2.0, 3.0]], 1),
-             ([([], 0.0)], [[0.0, 1.0, 2.0, 3.0]], 3),             # one beam forks into three
-             ([([], 0.0)], [[0.0, 0.0, 0.0, 0.0]], 2),             # ties: smaller token first
-             ([([1], -0.1), ([2], -9.0)], [[0.0, 5.0, 1.0], [9.0, 0.0, 0.0]], 2),   # drop one
-             ([([7], -1.0), ([3], -1.2)], [[800.0, 0.0, 799.0], [0.0, 801.0, 0.0]], 2),
-             ([([], 0.0)], [[1.0, 2.0]], 3)]                       # fewer tokens than width
-    for _ in range(25):
-        width, vocab, length = rng.randint(1, 4), rng.randint(3, 12), rng.randint(1, 5)
-        beams = [([rng.randrange(vocab) for _ in range(length)], round(-rng.random() * 6, 3))
-                 for _ in range(rng.randint(1, width))]
-        cases.append((beams, [[round(rng.gauss(0, 3), 3) for _ in range(vocab)]
-                              for _ in beams], width))
-    return cases
-
-
-def _say(beam) -> str:
-    tokens, score, parent = beam
-    return f"beam {parent} + token {tokens[-1] if tokens else '?'} (score {score:.4f})"
-
-
-def _judge_beams(case: tuple, got) -> str | None:
-    beams, logits, width = case
-    want = beam_step(*case)
-    got = [(list(map(int, t)), float(s), int(p)) for t, s, p in got]
-
-    def same_beam(g, w) -> bool:
-        return g[0] == w[0] and g[2] == w[2] and math.isclose(g[1], w[1], abs_tol=1e-6)
-
-    if len(got) == len(want) and all(map(same_beam, got, want)):
-        return None
-    where = f"beams {beams} (tokens, score), width {width}"
-    if len(got) != len(want):
-        return (f"{where}: {len(got)} beams kept, should be {len(want)} (the width best "
-                "candidates over all beams, fewer only if the vocabulary is smaller)")
-    i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if not same_beam(g, w))
-    problem = f"{where}: new beam {i} is {_say(got[i])}, should be {_say(want[i])}"
-    if (got[i][0], got[i][2]) == (want[i][0], want[i][2]) and math.isclose(
-            got[i][1], want[i][1] - beams[want[i][2]][1], abs_tol=1e-6):
-        problem += ": scores are cumulative (add the parent beam's score)"
-    return problem
-
-
-def check_beam_step(fn: Callable[..., list[tuple[list[int], float, int]]]) -> Verdict:
-    return judge_cases("10.2 beam_step", fn, _beam_cases(), returns(_judge_beams),
-                       lambda case: f"beams {case[0]}, width {case[2]}")
-
-
 def sharing_saving(tables: list[list[int]]) -> float:
     """Reference of 10.3: ``1 - distinct blocks / table entries`` at one instant."""
     return saving_of_tables(tables)
@@ -276,16 +211,6 @@ def _wrong_positions_from_zero(entries):         # forgets the tokens already ca
     return [p for _, _, q in entries for p in range(q)], rows
 
 
-def _wrong_not_cumulative(beams, logits, width):  # ranks by this step's logprob only
-    new = solutions.beam_step([(t, 0.0) for t, _ in beams], logits, width)
-    return new
-
-
-def _wrong_top_per_beam(beams, logits, width):    # keeps the best token of every beam
-    picks = [solutions.beam_step([b], [r], 1)[0] for b, r in zip(beams, logits, strict=True)]
-    return [(t, s, i) for i, (t, s, _) in enumerate(picks)][:width]
-
-
 EXERCISES = Exercises(
     Exercise("10.1", "flatten_step", check_flatten_step, hints=(
         "Walk the entries in order and keep a running count of rows: entry i's new tokens "
@@ -305,7 +230,7 @@ EXERCISES = Exercises(
         "keep the first width: a beam picked twice forks, a beam never picked is dropped.",
         "Read _beam_step in course_lib/scheduler/output_processor.py (and the sampler's beam "
         "branch in course_lib/engine/sampler.py, which hands it 2 x width candidates a beam).",
-    ), solution=solutions.beam_step, wrong=(_wrong_not_cumulative, _wrong_top_per_beam)),
+    ), solution=solutions.beam_step, wrong=_WRONG_BEAMS),
     Exercise("10.3", "sharing_saving", check_sharing_saving, hints=(
         "Entries: the sum of the tables' lengths. Distinct blocks: a set of every block id.",
         "Return 0.0 when there are no entries at all (no tables, or only empty ones).",
