@@ -45,52 +45,8 @@ def test_split_memory_edge_cases_are_tried():
         ch02.split_memory([(4, 2, 5)], [], None)
 
 
-def best_fit(num_slots, events):
-    """A wrong allocator for the checker: best fit instead of first fit."""
-    holes, starts = [(0, num_slots)], {}
-    for i, (kind, value) in enumerate(events):
-        if kind == "alloc":
-            fits = [h for h in holes if h[1] >= value]
-            if not fits:
-                starts[i] = None
-                continue
-            s, n = min(fits, key=lambda h: (h[1], h[0]))
-            holes.remove((s, n))
-            if n > value:
-                holes.append((s + value, n - value))
-            starts[i] = s
-        else:
-            holes.append((starts[value], events[value][1]))
-            holes.sort()
-            merged = [holes[0]]
-            for s, n in holes[1:]:
-                if merged[-1][0] + merged[-1][1] == s:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((s, n))
-            holes = merged
-    return [starts[i] for i in sorted(starts)]
-
-
-def no_merge_first_fit(num_slots, events):
-    """A wrong allocator: first fit, but freed ranges never merge with their neighbours."""
-    holes, starts = [(0, num_slots)], {}
-    for i, (kind, value) in enumerate(events):
-        if kind == "alloc":
-            j = next((j for j, h in enumerate(holes) if h[1] >= value), None)
-            if j is None:
-                starts[i] = None
-                continue
-            s, n = holes[j]
-            holes[j] = (s + value, n - value)
-            starts[i] = s
-        else:
-            holes.append((starts[value], events[value][1]))
-            holes.sort()
-    return [starts[i] for i in sorted(starts)]
-
-
 def test_first_fit_checker_catches_best_fit_and_missing_merges():
+    no_merge_first_fit, best_fit = ch02.EXERCISES["2.2"].wrong
     verdict = ch02.check_first_fit(best_fit)
     assert not verdict.ok and "first fit takes the lowest hole" in verdict.first_problem
     verdict = ch02.check_first_fit(no_merge_first_fit)

@@ -10,6 +10,8 @@ The generic :func:`check` lives here; each chapter's exercise cases and checkers
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,8 +81,6 @@ def args_text(case: Sequence[Any]) -> str:
 def returns(judge: Callable[[Any, Any], str | None]) -> Callable[[Callable, Any], str | None]:
     """A :func:`judge_cases` judge from ``judge(case, got)``, where ``got = learner(*case)``
     on a copy of the case (a learner who changes an argument cannot change the question)."""
-    import copy
-
     return lambda learner, case: judge(case, learner(*copy.deepcopy(case)))
 
 
@@ -100,9 +100,7 @@ def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any]
     but the stub is told to move to a Triton backend; where it runs, an answer that launched
     no ``@triton.jit`` kernel of its own (it computed in torch, or called the course's kernels)
     fails whatever it returned (see :mod:`course_lib.exercises.launches`)."""
-    import warnings
-
-    from course_lib.exercises import launches
+    from course_lib.exercises import launches  # loads the device (torch) only to check
 
     passed, first = 0, None
     with launches.recorded() as kernels, warnings.catch_warnings():
