@@ -20,9 +20,13 @@ NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.
 # Stored outputs must not depend on the backend: after the run under the automatic backend
 # (Triton's interpreter on a CPU, triton-cuda on a GPU) the notebooks run again under each of
 # these (COURSE_BACKEND, see README). tests/conftest.py is loaded as a plugin for its chNN marks.
+# Nor on the CPU: the second run also forces torch's plain (non-vector) CPU kernels, whose float
+# rounding differs from the AVX2 / AVX-512 ones the first run used (ATEN_CPU_CAPABILITY).
 ALSO_BACKENDS ?= torch-reference
+AGAIN_CPU ?= default
 NBVAL_AGAIN = for b in $(ALSO_BACKENDS); do \
-	COURSE_BACKEND=$$b $(PY) -m pytest -p tests.conftest notebooks $(NBVAL) $(1) || exit 1; done
+	ATEN_CPU_CAPABILITY=$(AGAIN_CPU) COURSE_BACKEND=$$b \
+	$(PY) -m pytest -p tests.conftest notebooks $(NBVAL) $(1) || exit 1; done
 
 # make test-chapter CH=00_setup (or CH=00): the chapter's notebook plus the tests marked chNN.
 CH ?=
@@ -32,14 +36,17 @@ CH_NUM = $(firstword $(subst _, ,$(CH)))
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test test-fast test-chapter test-browser book lint clean
+.PHONY: help install lab test test-fast test-chapter test-notebooks test-browser test-fidelity \
+	book lint clean
 
 help:
 	@echo "make lab                    start JupyterLab on notebooks/ (installs .venv first if needed)"
 	@echo "make test                   unit tests + every notebook with nbval (again under torch-reference)"
 	@echo "make test-fast              unit tests only"
 	@echo "make test-chapter CH=00_setup   one chapter: its notebook and the tests marked ch00"
+	@echo "make test-notebooks CPU=avx2    every notebook with nbval, torch's CPU kernels forced"
 	@echo "make test-browser           every chapter in JupyterLab driven by Chromium (needs /usr/bin/chromium)"
+	@echo "make test-fidelity          the V1 and radix managers beside vLLM 0.33.0's and SGLang 0.5.23's code"
 	@echo "make book                   the course as a static HTML book in build/book/ (stored outputs)"
 	@echo "make lint                   ruff check"
 	@echo "make clean                  remove .venv and caches"
@@ -81,9 +88,27 @@ test-chapter: $(STAMP)
 	$(PY) -m pytest tests notebooks $(NBVAL) -m ch$(CH_NUM)
 	$(call NBVAL_AGAIN,-m ch$(CH_NUM))
 
+# Every notebook once more, with torch's CPU kernels forced to CPU (default, avx2, avx512):
+# stored outputs must be the same whatever vector unit computed them (.ci/run uses avx2).
+CPU ?= default
+test-notebooks: $(STAMP)
+	ATEN_CPU_CAPABILITY=$(CPU) $(PY) -m pytest -p tests.conftest notebooks $(NBVAL)
+
 # A learner's walk in a real browser: JupyterLab on 127.0.0.1 + Playwright driving Debian's chromium.
 test-browser: $(STAMP)
 	COURSE_BROWSER_TEST=1 $(PY) -m pytest tests/browser -p no:cacheprovider
+
+# The course's V1 and radix managers run side by side with vLLM 0.33.0's and SGLang 0.5.23's own
+# code (tests/fidelity/): their sources are fetched once into FIDELITY_CACHE (PyPI, sha256
+# checked), then the harness and chapter 03's vLLM file check run on them.
+FIDELITY_CACHE ?= .fidelity-cache
+test-fidelity: $(STAMP)
+	$(PY) tests/fidelity/fetch.py $(FIDELITY_CACHE)
+	COURSE_FIDELITY=1 COURSE_FIDELITY_CACHE=$(FIDELITY_CACHE) \
+	COURSE_VLLM_SRC=$(FIDELITY_CACHE)/vllm-0.33.0 COURSE_VLLM06_SRC=$(FIDELITY_CACHE)/vllm-0.6.3 \
+	$(PY) -m pytest tests/fidelity \
+	tests/test_ch01_03_articles.py::test_component_table_vllm_files_and_classes_exist \
+	-p no:cacheprovider
 
 book: $(BOOK_STAMP)
 	$(PY) scripts/build_book.py

@@ -17,6 +17,10 @@ scheduler on the same trace, checks that both versions leave the same block tabl
 blocks and hits after every step, and replays both in interleaved rounds (fresh processes),
 printing the median ratio and its spread.
 
+**The plain manager beside it.** For V0 the scheduler runs ``FastBlockManager``, the checked
+twin of the ``BlockManager`` the chapters teach (``course_lib/memory/v0/``); the same recorded
+calls are also replayed on the plain ``BlockManager`` and its figure printed beside the twin's.
+
 **Leaner pattern** (labelled as such): the old bench's loop (allocate, mark, append, free),
 without the scheduler's checks and table copies.
 
@@ -86,13 +90,17 @@ def _scheduler(design: str, blocks: int, caching: bool):
         from course_lib.config import CacheConfig, SchedulerConfig
     except ImportError:                       # revisions before the layout of issue 10
         from course_lib.scheduler_config import CacheConfig, SchedulerConfig
-    import course_lib.scheduler as scheduler
+    try:
+        from course_lib.scheduler.scheduler import Scheduler
+        from course_lib.scheduler.v1 import SchedulerV1
+    except ImportError:                       # revisions whose scheduler was one module
+        from course_lib.scheduler import Scheduler, SchedulerV1
 
     sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=4096)
     kw = {"prefix_cache": "radix"} if design == "radix" else {}
     cc = CacheConfig(block_size=16, num_gpu_blocks=blocks, watermark=0.0,
                      enable_prefix_caching=caching, **kw)
-    return (scheduler.Scheduler if design == "v0" else scheduler.SchedulerV1)(sc, cc)
+    return (Scheduler if design == "v0" else SchedulerV1)(sc, cc)
 
 
 def _fake_samples():
@@ -147,20 +155,36 @@ def record(design: str, num_requests: int, blocks: int, caching: bool,
             "digests": kept, "steps": step, "calls": len(log)}
 
 
-def _manager(ctor):
-    import course_lib.memory as memory
+# Where each manager class is defined: this tree's layout first, then older revisions', whose
+# ``course_lib.memory`` re-exported them all.
+HOMES = {"FastBlockManager": "course_lib.memory.v0.fast",
+         "BlockManager": "course_lib.memory.v0.manager",
+         "KVCacheManager": "course_lib.memory.v1.kv_cache_manager",
+         "RadixKVCacheManager": "course_lib.memory.radix.kv_cache_manager"}
+
+
+def _manager(ctor, plain: bool = False):
+    """A fresh manager like the recorded one; ``plain``: the plain ``BlockManager`` instead of
+    the scheduler's twin."""
+    import importlib
 
     name, blocks, caching = ctor
-    cls = getattr(memory, name)
-    if name == "BlockManager":
+    if plain and name == "FastBlockManager":
+        name = "BlockManager"
+    try:
+        cls = getattr(importlib.import_module(HOMES[name]), name)
+    except ImportError:
+        cls = getattr(importlib.import_module("course_lib.memory"), name)
+    if name in ("BlockManager", "FastBlockManager"):
         return cls(16, blocks, 0, 0.0, caching)
     return cls(16, blocks, caching, 0.0)
 
 
-def replay(rec: dict, check: bool = False) -> float:
+def replay(rec: dict, check: bool = False, plain: bool = False) -> float:
     """CPU seconds to replay the recorded calls on a fresh manager (its invariants checked at
-    the end when ``check``). The loop is one bound call per recorded call, nothing else."""
-    m, hits = _manager(rec["ctor"]), {}
+    the end when ``check``; ``plain``: on the plain V0 manager, not the twin). The loop is one
+    bound call per recorded call, nothing else."""
+    m, hits = _manager(rec["ctor"], plain), {}
     ops = []
     for name, args, kwargs in rec["log"]:
         if args is None:                                 # a property or attribute read
@@ -199,7 +223,8 @@ def _with_hits(hits: dict, fn, seq_id, tokens, computed, new, _recorded, *rest, 
 
 def lean(blocks: int, caching: bool) -> tuple[int, float]:
     """The old bench's loop (not the scheduler's pattern): allocate + mark, append, free."""
-    from course_lib.memory import AllocStatus, BlockManager
+    from course_lib.memory.common import AllocStatus
+    from course_lib.memory.v0.manager import BlockManager
 
     m = BlockManager(16, blocks, 0, 0.0, caching)
     trace, waiting, live, ops = make_trace(600), None, {}, 0
@@ -243,7 +268,8 @@ def worker(argv: list[str]) -> None:
     elif cmd == "replay":
         with open(argv[2], "rb") as f:
             rec = pickle.load(f)
-        print(json.dumps({"cpu_s": replay(rec, check=argv[3] == "1")}))
+        print(json.dumps({"cpu_s": replay(rec, check=argv[3] == "1",
+                                          plain=len(argv) > 4 and argv[4] == "1")}))
     elif cmd == "lean":
         ops, spent = lean(int(argv[2]), argv[3] == "1")
         print(json.dumps({"ops": ops, "cpu_s": spent}))
@@ -289,8 +315,9 @@ def check_same(digests: dict[str, list]) -> None:
 
 
 def compare(roots: dict[str, Path], design: str, n: int, blocks: int, caching: bool,
-            rounds: int, tmp: Path) -> dict[str, list[float]]:
-    """Record each version, check they agree step by step, replay interleaved."""
+            rounds: int, tmp: Path, plain: bool = False) -> dict[str, list[float]]:
+    """Record each version, check they agree step by step, replay interleaved; ``plain``:
+    also replay this tree's recorded V0 calls on the plain ``BlockManager``."""
     recs, meta = {}, {}
     for label, root in roots.items():
         recs[label] = tmp / f"{label}-{design}-{blocks}-{caching}.pkl"
@@ -302,12 +329,19 @@ def compare(roots: dict[str, Path], design: str, n: int, blocks: int, caching: b
                     for label, p in recs.items()})
     for label, root in roots.items():           # one checked run (invariants) per version
         run_worker(root, "replay", str(recs[label]), "1")
+    plain = plain and pickle.loads(recs["this tree"].read_bytes())["ctor"][0] == "FastBlockManager"
+    if plain:
+        run_worker(ROOT, "replay", str(recs["this tree"]), "1", "1")
     times: dict[str, list[float]] = {label: [] for label in roots}
     for _ in range(rounds):
         for label, root in roots.items():
             times[label].append(run_worker(root, "replay", str(recs[label]), "0")["cpu_s"])
+        if plain:
+            times.setdefault("plain BlockManager", []).append(
+                run_worker(ROOT, "replay", str(recs["this tree"]), "0", "1")["cpu_s"])
+    meta["plain BlockManager"] = meta["this tree"]
     return {label: [meta[label]["work"] / t for t in ts] for label, ts in times.items()} | {
-        "calls": {label: meta[label]["calls"] for label in roots}}
+        "calls": {label: meta[label]["calls"] for label in times}}
 
 
 def main() -> None:
@@ -336,10 +370,14 @@ def main() -> None:
             for caching in (True, False):
                 if design == "radix" and not caching:
                     continue
-                r = compare(roots, design, n, 2048, caching, rounds, tmp)
+                r = compare(roots, design, n, 2048, caching, rounds, tmp, plain=True)
                 cells = [f"{label}: {statistics.median(v):,.0f}/s ({r['calls'][label]:,} calls)"
                          for label, v in r.items() if label != "calls"]
                 line = f"  {design:5} caching {'on ' if caching else 'off'}  " + "; ".join(cells)
+                if "plain BlockManager" in r:
+                    ratio = statistics.median(r["this tree"]) / statistics.median(
+                        r["plain BlockManager"])
+                    line += f"  (twin / plain x{ratio:.2f})"
                 if args.baseline:
                     base, work = r[args.baseline], r["this tree"]
                     ratios = [w / b for w, b in zip(work, base, strict=True)]

@@ -40,9 +40,10 @@ import torch  # noqa: E402
 
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.device import describe  # noqa: E402
-from course_lib.engine import LLMEngine, llm_engine, model_runner  # noqa: E402
+from course_lib.engine import llm_engine, model_runner  # noqa: E402
+from course_lib.engine.llm_engine import LLMEngine  # noqa: E402
 from course_lib.engine.rollback import StepFailed  # noqa: E402
-from course_lib.model import load_tiny_model  # noqa: E402
+from course_lib.model.loader import load_tiny_model  # noqa: E402
 from course_lib.sequence import SamplingParams  # noqa: E402
 
 POINTS = ("forward", "sampler", "swap", "copy", "update")

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
-from course_lib.engine import LLMEngine  # noqa: E402
+from course_lib.engine.llm_engine import LLMEngine  # noqa: E402
 from course_lib.engine.workloads import model_trace, run_static, run_trace, sharing_savings  # noqa: E402
-from course_lib.model import load_tiny_model  # noqa: E402
+from course_lib.model.loader import load_tiny_model  # noqa: E402
 from course_lib.sequence import SamplingParams  # noqa: E402
 from course_lib.sim.traces import trace_summary  # noqa: E402
 

@@ -34,11 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from course_lib import capacity as cap  # noqa: E402
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
-from course_lib.scheduler import Scheduler  # noqa: E402
+from course_lib.scheduler.scheduler import Scheduler  # noqa: E402
 from course_lib.sequence import SamplingParams  # noqa: E402
 from course_lib.sim.fake_sampler import fake_samples  # noqa: E402
 from course_lib.sim.replay import CostModel, replay  # noqa: E402
 from course_lib.sim.traces import sharegpt_like  # noqa: E402
+from course_lib.sizing.models import get_preset  # noqa: E402
 
 
 def machine() -> str:
@@ -168,7 +169,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     args = ap.parse_args()
-    budget = cap.plan_kv_cache(cap.get_preset("Llama-2-7B"), 40.0, gpu_memory_utilization=0.9)
+    budget = cap.plan_kv_cache(get_preset("Llama-2-7B"), 40.0, gpu_memory_utilization=0.9)
     print(f"machine: {machine()}; one thread, wall-clock time")
     if args.quick:
         table_replay(300, budget)

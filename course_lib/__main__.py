@@ -141,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from .config import CacheConfig
-    from .engine import LLMEngine
+    from .engine.llm_engine import LLMEngine
     from .sequence import SamplingParams
 
     torch.set_num_threads(1)
@@ -198,7 +198,7 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
         print("replay (model-free):", result.summary(), flush=True)
     else:
         from .config import CacheConfig, SchedulerConfig
-        from .engine import LLMEngine
+        from .engine.llm_engine import LLMEngine
         from .engine.workloads import model_trace, run_trace
 
         blocks = args.num_gpu_blocks or 128

@@ -4,8 +4,10 @@ budget and the block pool vLLM builds from it, concurrency and context-parallel 
 Pure integer arithmetic, no torch, so a notebook can answer "how many tokens fit?" before it
 owns a GPU. Every memory figure is per GPU (per rank), as vLLM computes it on each worker.
 Names follow vLLM (block_size, num_gpu_blocks, gpu_memory_utilization, swap_space,
-tensor_parallel_size). Built on ``course_lib.sizing`` (units and checks, ``ModelSpec`` and the
-presets, model-free block counting), whose names it re-exports: ``capacity.X`` names them all.
+tensor_parallel_size). Built on ``course_lib.sizing``: import the units and checks from
+``sizing/units.py``, ``ModelSpec`` and the presets from ``sizing/models.py`` and the model-free
+block counting (``num_blocks_for_tokens``, ``num_gpu_blocks``, ...) from ``sizing/blocks.py``;
+this module holds what needs a model's shapes on a rank.
 """
 
 from __future__ import annotations
@@ -15,41 +17,20 @@ from dataclasses import dataclass
 
 from course_lib.sizing.blocks import (
     check_block_size,
-    expected_internal_waste_tokens,
-    max_internal_waste_tokens,
     num_blocks_for_tokens,
     num_cpu_blocks,
     num_full_blocks,
     num_gpu_blocks,
-    paged_utilization,
-    static_utilization,
     tokens_that_fit,
 )
-from course_lib.sizing.models import PRESETS, ModelSpec, get_preset, verify_max_model_len
-from course_lib.sizing.units import (
-    H200_MEMORY_GIB,
-    GiB,
-    KiB,
-    MiB,
-    _check_int,
-    _check_nonneg,
-    format_bytes,
-)
-
-__all__ = [  # re-exported from course_lib.sizing, then defined here
-    "GiB", "H200_MEMORY_GIB", "KiB", "MiB", "format_bytes", "PRESETS", "ModelSpec", "get_preset",
-    "verify_max_model_len", "check_block_size", "expected_internal_waste_tokens",
-    "max_internal_waste_tokens", "num_blocks_for_tokens", "num_cpu_blocks", "num_full_blocks",
-    "num_gpu_blocks", "paged_utilization", "static_utilization", "tokens_that_fit",
-    "kv_heads_per_rank", "kv_bytes_per_token_per_layer", "kv_bytes_per_token",
-    "k_block_bytes_per_layer", "block_bytes_per_layer", "block_bytes", "contiguous_kv_bytes",
-    "paged_kv_bytes", "blocks_with_shared_prefix", "available_kv_bytes", "max_concurrency",
-    "context_parallel_capacity", "DecodeCommBytes", "decode_comm_bytes", "KVBudget",
-    "plan_kv_cache",
-]
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import GiB, check_int, check_nonneg, format_bytes
 
 
-def _valid_tp_sizes(spec: ModelSpec) -> list[int]:
+def valid_tp_sizes(spec: ModelSpec) -> list[int]:
+    """Tensor-parallel sizes vLLM accepts for this model: the attention heads divide evenly,
+    and the KV heads either divide evenly or are replicated (``tp`` a multiple of them); MLA
+    has one latent head per rank, any ``tp`` that divides the heads."""
     def ok(tp: int) -> bool:
         if spec.num_attention_heads % tp:
             return False
@@ -68,12 +49,12 @@ def kv_heads_per_rank(spec: ModelSpec, tensor_parallel_size: int = 1) -> int:
     Like vLLM, tp must divide num_attention_heads, and tp and num_kv_heads must divide one
     another; otherwise ValueError lists the sizes that work.
     """
-    _check_int("tensor_parallel_size", tensor_parallel_size, 1)
-    if tensor_parallel_size not in _valid_tp_sizes(spec):
+    check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    if tensor_parallel_size not in valid_tp_sizes(spec):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} does not split {spec.name} "
             f"({spec.num_attention_heads} query heads, {spec.num_kv_heads} KV heads); "
-            f"valid sizes: {_valid_tp_sizes(spec)}")
+            f"valid sizes: {valid_tp_sizes(spec)}")
     if spec.is_mla:
         return 1
     return max(1, spec.num_kv_heads // tensor_parallel_size)
@@ -121,7 +102,7 @@ def block_bytes(spec: ModelSpec, block_size: int = 16, tensor_parallel_size: int
 
 def contiguous_kv_bytes(spec: ModelSpec, num_tokens: int, tensor_parallel_size: int = 1) -> int:
     """Exact cache bytes of num_tokens tokens, as one contiguous tensor would hold them."""
-    _check_int("num_tokens", num_tokens, 0)
+    check_int("num_tokens", num_tokens, 0)
     return num_tokens * kv_bytes_per_token(spec, tensor_parallel_size)
 
 
@@ -139,7 +120,7 @@ def blocks_with_shared_prefix(num_requests: int, num_tokens: int, shared_prefix_
     Prefix caching shares only the full blocks of the common prefix; each request keeps
     its own copy of everything after them, including a part-filled last prefix block.
     """
-    _check_int("num_requests", num_requests, 0)
+    check_int("num_requests", num_requests, 0)
     if not 0 <= shared_prefix_len <= num_tokens:
         raise ValueError(f"shared_prefix_len must be in [0, num_tokens={num_tokens}], "
                          f"got {shared_prefix_len}")
@@ -157,13 +138,13 @@ def available_kv_bytes(total_gpu_memory_bytes: int, gpu_memory_utilization: floa
     non-torch buffers); rounded to whole bytes. Raises when the result is negative, naming
     the biggest term, because a negative budget means the model does not fit at all.
     """
-    _check_nonneg("total_gpu_memory_bytes", total_gpu_memory_bytes)
+    check_nonneg("total_gpu_memory_bytes", total_gpu_memory_bytes)
     if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     terms = {"weight_bytes": weight_bytes, "activation_bytes": activation_bytes,
              "overhead_bytes": overhead_bytes}
     for name, value in terms.items():
-        _check_nonneg(name, value)
+        check_nonneg(name, value)
     usable = round(total_gpu_memory_bytes * gpu_memory_utilization)
     available = round(usable - sum(terms.values()))
     if available < 0:
@@ -184,7 +165,7 @@ def max_concurrency(num_gpu_blocks: int, block_size: int, max_model_len: int) ->
     concurrency for N tokens per request: 3.45x". (vLLM V1 rounds each request up to whole
     blocks first; the two agree whenever max_model_len is a multiple of block_size.)
     """
-    _check_int("max_model_len", max_model_len, 1)
+    check_int("max_model_len", max_model_len, 1)
     return tokens_that_fit(num_gpu_blocks, block_size) / max_model_len
 
 
@@ -195,7 +176,7 @@ def context_parallel_capacity(num_gpu_blocks: int, block_size: int,
     Each of the context_parallel_size ranks stores a different slice of the tokens in its own
     num_gpu_blocks blocks, so one request's ceiling grows linearly with cp size.
     """
-    _check_int("context_parallel_size", context_parallel_size, 1)
+    check_int("context_parallel_size", context_parallel_size, 1)
     return tokens_that_fit(num_gpu_blocks, block_size) * context_parallel_size
 
 
@@ -226,8 +207,8 @@ def decode_comm_bytes(spec: ModelSpec, context_len: int, context_parallel_size: 
     output kv_lora_rank wide. Tokens are spread round-robin, so the query's rank holds
     ceil(context_len / cp) of them and the rest are remote. lse_bytes: float32 per head.
     """
-    _check_int("context_len", context_len, 0)
-    _check_int("context_parallel_size", context_parallel_size, 1)
+    check_int("context_len", context_len, 0)
+    check_int("context_parallel_size", context_parallel_size, 1)
     if spec.is_mla:
         q_width, out_width = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.kv_lora_rank
     else:
@@ -304,12 +285,12 @@ def plan_kv_cache(spec: ModelSpec, total_gpu_memory_gib: float, *,
 
     Memory arguments are GiB per GPU (swap_space too, as in vLLM); the result holds bytes.
     """
-    _check_int("context_parallel_size", context_parallel_size, 1)
+    check_int("context_parallel_size", context_parallel_size, 1)
     blk = block_bytes(spec, block_size, tensor_parallel_size)  # validates block_size and TP
     for name, value in (("total_gpu_memory_gib", total_gpu_memory_gib),
                         ("activation_gib", activation_gib), ("overhead_gib", overhead_gib),
                         ("weight_gib", 0 if weight_gib is None else weight_gib)):
-        _check_nonneg(name, value)
+        check_nonneg(name, value)
     if weight_gib is None:
         weights = round(spec.weight_bytes / tensor_parallel_size)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .capacity import num_cpu_blocks
+from .sizing.blocks import check_block_size, num_cpu_blocks
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -59,8 +59,9 @@ class CacheConfig:
 
     ``prefix_cache`` (the course's switch, not a vLLM option) picks how the V1 design finds
     cached prefixes: ``"hash"`` (vLLM V1's chained block hashes) or ``"radix"`` (SGLang's radix
-    tree, :class:`~course_lib.memory.RadixKVCacheManager`). The V0 design has its own verified
-    hash chain and accepts only ``"hash"``.
+    tree,
+    :class:`~course_lib.memory.radix.kv_cache_manager.RadixKVCacheManager`). The V0 design has
+    its own verified hash chain and accepts only ``"hash"``.
     """
 
     block_size: int = 16
@@ -71,6 +72,7 @@ class CacheConfig:
     prefix_cache: str = "hash"
 
     def __post_init__(self) -> None:
+        check_block_size(self.block_size)       # a power of two in [1, 256], as everywhere
         if self.prefix_cache not in ("hash", "radix"):
             raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
 

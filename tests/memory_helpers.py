@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 
 
 def snapshot(m: BlockManager):

@@ -9,7 +9,8 @@ import torch
 
 from course_lib.device import BACKEND
 from course_lib.kernels.backends import AttentionBackend, get_attn_backend
-from course_lib.model import load_tiny_model, make_attention_metadata
+from course_lib.model.attention import make_attention_metadata
+from course_lib.model.loader import load_tiny_model
 
 pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_block_manager_bench_runs_quick():
     out = subprocess.run([sys.executable, "bench/block_manager.py", "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, check=True).stdout
-    assert out.count("/s (") == 5, out                # V0 and V1 on and off, radix on
+    assert out.count("/s (") == 7, out                # V0 and V1 on and off, radix on, and
+    assert out.count("twin / plain x") == 2, out      # V0's plain BlockManager beside its twin
     assert "leaner pattern, not the scheduler's" in out
     assert out.count("of 1k)") == 4, out              # one row per pool size in the sweep
 

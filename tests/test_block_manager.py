@@ -1,7 +1,9 @@
-"""Unit tests of the block manager (course_lib.memory): one behaviour per test, hand-computed.
+"""Unit tests of the V0 block manager (course_lib/memory/v0/): one behaviour per test,
+hand-computed.
 
 Every test ends with ``m.check_invariants()``; the last group proves that checker can fail.
-The random, stateful counterpart is tests/test_block_manager_stateful.py.
+The random, stateful counterpart is tests/test_block_manager_stateful.py; the scheduler's
+twin (FastBlockManager) is checked against this plain manager in test_block_manager_twin.py.
 """
 
 from __future__ import annotations
@@ -11,13 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from memory_helpers import snapshot
 
-from course_lib.memory import (
-    ROOT_HASH,
-    AllocStatus,
-    BlockAllocator,
-    BlockManager,
-    NoFreeBlocksError,
-)
+from course_lib.memory.common import AllocStatus
+from course_lib.memory.v0.fast import FastBlockManager
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.memory.v0.pool import BlockAllocator, NoFreeBlocksError
+from course_lib.memory.v0.prefix_cache import ROOT_HASH
 
 BS = 4
 
@@ -672,7 +672,8 @@ def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
     > free -> None, else ``append_slots`` per sequence and ``get_block_table``. Two managers
     driven alike must give the same answers and end in the same state, whatever the sharing,
     copy-on-write, caching and eviction."""
-    fused, plain = (BlockManager(bs, blocks, 0, 0.0, caching) for _ in range(2))
+    fused, plain = FastBlockManager(bs, blocks, 0, 0.0, caching), \
+        BlockManager(bs, blocks, 0, 0.0, caching)
     groups: dict[int, list[int]] = {}                 # group (0-2, split ones 3-11) -> seq ids
     handed: list[tuple[list[int], list[int]]] = []    # block ids append_decode gave, as given
     next_id = 100
@@ -718,29 +719,3 @@ def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
         fused.check_invariants()
     with pytest.raises(ValueError, match="one token per sequence"):
         fused.append_decode([1, 2], [3])
-
-
-def test_a_remembered_chain_is_reused_only_while_its_blocks_keep_their_registration():
-    """``hash_and_match`` reuses the hits of a recent prompt that began alike, block by block,
-    only while each block is still registered with the very key it had. Here block 1 of the
-    first prompt is evicted and registered again with other tokens: the next prompt like the
-    first must not hit it (a check on 'still cached' alone would hit wrong content)."""
-    m = cached(3)
-    a = toks(9, 100)                                 # blocks [100..103], [104..107], +1
-    m.allocate(0, a)
-    m.mark_blocks_as_computed(0, 9)
-    m.free(0)                                        # blocks 0, 1 cached and evictable
-    assert m.allocate(1, toks(4, 100) + toks(5, 900)) == 4    # reuses block 0 from the chain
-    m.mark_blocks_as_computed(1, 9)
-    m.free(1)
-    # evict every cached block and register another prompt's full blocks in their place
-    m.allocate(2, toks(12, 500))
-    m.mark_blocks_as_computed(2, 12)
-    assert m.get_block_table(2)[2] == 0 and m.cache.is_cached(0)   # block 0: other tokens
-    m.free(2)
-    m.check_invariants()
-    got = m.allocate(3, a)
-    m.check_invariants()                             # cached blocks hold their tokens
-    table = m.get_table(3)
-    for i in range(got // BS):
-        assert m.cache.key_of(table.blocks[i]).token_ids == tuple(a[i * BS:(i + 1) * BS])

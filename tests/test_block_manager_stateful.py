@@ -18,17 +18,21 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from memory_helpers import snapshot
 
-from course_lib.memory import BlockManager, NoFreeBlocksError
+from course_lib.memory.v0.fast import FastBlockManager
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.memory.v0.pool import NoFreeBlocksError
 
 PREFIXES = [(1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 3, 4, 7, 7), (5, 5, 5, 5, 5, 5, 5, 5)]
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
+    manager_class: type[BlockManager] = BlockManager
+
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_gpu=st.integers(1, 24),
                 num_cpu=st.integers(0, 16), caching=st.booleans(),
                 watermark=st.sampled_from([0.0, 0.1]), weak_hash=st.booleans())
     def setup(self, block_size, num_gpu, num_cpu, caching, watermark, weak_hash):
-        self.m = BlockManager(block_size, num_gpu, num_cpu, watermark=watermark,
+        self.m = self.manager_class(block_size, num_gpu, num_cpu, watermark=watermark,
                               enable_prefix_caching=caching)
         if caching and weak_hash:   # 3 hash values: collisions all the time
             self.m.cache.hash_fn = lambda parent, tokens, extra: hash((parent, tokens, extra)) % 3
@@ -181,3 +185,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                                  deadline=None)
 TestBlockManagerStateful = BlockManagerMachine.TestCase
+
+
+class FastBlockManagerMachine(BlockManagerMachine):
+    """The same model of the physical cache over the scheduler's twin (memory/v0/fast.py)."""
+    manager_class = FastBlockManager
+
+
+FastBlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                                     deadline=None)
+TestFastBlockManagerStateful = FastBlockManagerMachine.TestCase

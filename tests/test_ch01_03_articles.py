@@ -2,14 +2,17 @@
 drawing and the Block Manager tutorial's component table (then and now).
 
 Expected values are multiplied out here from the models' configs, never read back from the
-library. The vLLM file checks run where the released sources are extracted (/tmp/src for
-vLLM 0.33.0, /tmp/src06 for vLLM 0.6.3) and skip elsewhere.
+library. The vLLM file checks run where the released sources are extracted ($COURSE_VLLM_SRC,
+/tmp/src by default, for vLLM 0.33.0; $COURSE_VLLM06_SRC, /tmp/src06, for vLLM 0.6.3) and skip
+elsewhere; `make test-fidelity` fetches both and sets the two variables, and where a variable
+is set the check fails instead of skipping.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -18,13 +21,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB
 from course_lib.claims import sources
-from course_lib.memory import BlockManager
+from course_lib.claims.sources_003 import mha_equivalent_kv_bytes_per_token
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.sizing.models import get_preset
+from course_lib.sizing.units import GiB
 from course_lib.viz import blocks
+from course_lib.viz.components import ARTICLE_COMPONENTS, component_table
 
-VLLM_NOW = Path("/tmp/src")      # vLLM 0.33.0: /tmp/src/vllm/...
-VLLM_V0 = Path("/tmp/src06")     # vLLM 0.6.3
+VLLM_NOW = Path(os.environ.get("COURSE_VLLM_SRC", "/tmp/src"))       # vLLM 0.33.0: .../vllm/
+VLLM_V0 = Path(os.environ.get("COURSE_VLLM06_SRC", "/tmp/src06"))    # vLLM 0.6.3
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +42,13 @@ def claims():
 
 @pytest.mark.ch01
 def test_mha_equivalent_of_deepseek_v3():
-    v3 = cap.get_preset("deepseek-v3")
+    v3 = get_preset("deepseek-v3")
     # 61 layers x 128 heads x (K 128 + 64, V 128) x 2 B
-    assert sources.mha_equivalent_kv_bytes_per_token(v3) == 61 * 128 * (192 + 128) * 2
+    assert mha_equivalent_kv_bytes_per_token(v3) == 61 * 128 * (192 + 128) * 2
     fp8 = dataclasses.replace(v3, dtype_bytes=1)
-    assert sources.mha_equivalent_kv_bytes_per_token(fp8) == 61 * 128 * 320
+    assert mha_equivalent_kv_bytes_per_token(fp8) == 61 * 128 * 320
     with pytest.raises(ValueError, match="not an MLA model"):
-        sources.mha_equivalent_kv_bytes_per_token(cap.get_preset("llama-3-70b"))
+        mha_equivalent_kv_bytes_per_token(get_preset("llama-3-70b"))
 
 
 @pytest.mark.ch01
@@ -55,7 +61,7 @@ def test_mla_one_tenth_holds_for_no_baseline(claims):
 
 @pytest.mark.ch01
 def test_printed_5_gib_is_32_kv_heads_not_mha_for_the_70b(claims):
-    m70 = cap.get_preset("llama-2-70b")
+    m70 = get_preset("llama-2-70b")
     mha = dataclasses.replace(m70, num_kv_heads=m70.num_attention_heads)
     assert cap.contiguous_kv_bytes(mha, 4096) == 10 * GiB      # 2 x 80 x 4096 x 64 x 128 x 2
     for key in ("003-intro-70b", "003-1-70b-printed"):
@@ -95,7 +101,7 @@ def _highlighted(fig: Figure) -> list[Rectangle]:
 
 @pytest.mark.ch03
 def test_block_across_layers_highlights_one_block_per_shown_k_and_v_row():
-    m70 = cap.get_preset("llama-3-70b")
+    m70 = get_preset("llama-3-70b")
     fig = blocks.draw_block_across_layers(m70, block_id=3, num_blocks=8, layers_shown=3)
     assert isinstance(fig, Figure)
     hit = _highlighted(fig)
@@ -111,16 +117,16 @@ def test_block_across_layers_highlights_one_block_per_shown_k_and_v_row():
 @pytest.mark.ch03
 def test_block_across_layers_rejects_mla_and_bad_ids():
     with pytest.raises(ValueError, match="MLA"):
-        blocks.draw_block_across_layers(cap.get_preset("deepseek-v3"))
+        blocks.draw_block_across_layers(get_preset("deepseek-v3"))
     with pytest.raises(ValueError):
-        blocks.draw_block_across_layers(cap.get_preset("llama-3-8b"), block_id=8, num_blocks=8)
+        blocks.draw_block_across_layers(get_preset("llama-3-8b"), block_id=8, num_blocks=8)
     with pytest.raises(ValueError):
-        blocks.draw_block_across_layers(cap.get_preset("llama-3-8b"), layers_shown=1)
+        blocks.draw_block_across_layers(get_preset("llama-3-8b"), layers_shown=1)
 
 
 @pytest.mark.ch03
 def test_component_table_lists_the_tutorials_four_components():
-    text = blocks.component_table()
+    text = component_table()
     for name in ("Block Allocator (GPU)", "Block Allocator (CPU)", "Block Table", "Evictor"):
         assert f"{name}: " in text
     assert text.count("vLLM 0.33.0") == 4 and text.count("vLLM 0.6.3") == 4
@@ -143,7 +149,7 @@ def _resolve(dotted: str) -> object:
 
 @pytest.mark.ch03
 def test_component_table_course_names_exist():
-    names = [n for r in blocks.ARTICLE_COMPONENTS for n in re.findall(r"memory\.[\w.]+", r.course)]
+    names = [n for r in ARTICLE_COMPONENTS for n in re.findall(r"memory\.[\w.]+", r.course)]
     assert len(names) >= 5
     for name in names:
         assert _resolve(name) is not None, name
@@ -153,8 +159,11 @@ def test_component_table_course_names_exist():
 @pytest.mark.parametrize("root, column", [(VLLM_V0, "v0"), (VLLM_NOW, "v1")])
 def test_component_table_vllm_files_and_classes_exist(root, column):
     if not (root / "vllm").is_dir():
+        variable = "COURSE_VLLM_SRC" if column == "v1" else "COURSE_VLLM06_SRC"
+        if variable in os.environ:
+            pytest.fail(f"${variable} is set, but {root} holds no vllm/ (make test-fidelity)")
         pytest.skip(f"vLLM sources not extracted at {root}")
-    for row in blocks.ARTICLE_COMPONENTS:
+    for row in ARTICLE_COMPONENTS:
         text = getattr(row, column)
         paths = re.findall(r"vllm/[\w/.]+", text)
         assert paths, row.component

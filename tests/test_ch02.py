@@ -111,7 +111,7 @@ def test_drawings_draw_what_they_are_given():
 
 
 def test_paged_segments_follow_the_block_tables():
-    from course_lib.memory import BlockManager
+    from course_lib.memory.v0.manager import BlockManager
 
     bm = BlockManager(4, 6, watermark=0.0)
     bm.allocate(0, [1] * 6)            # 2 blocks: 4 + 2 filled

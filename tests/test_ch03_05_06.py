@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 
 from course_lib.exercises import ch03, ch05, ch06
-from course_lib.memory import ROOT_HASH, NoFreeBlocksError
+from course_lib.exercises.ch03_manager import ReferenceManager, check_manager
+from course_lib.exercises.ch05_beams import BeamCase, beam_args, beam_blocks, check_beam_blocks
+from course_lib.memory.v0.pool import NoFreeBlocksError
+from course_lib.memory.v0.prefix_cache import ROOT_HASH
+from course_lib.sizing.units import cdiv
 
 pytestmark = [pytest.mark.ch03, pytest.mark.ch05, pytest.mark.ch06]
 
@@ -17,14 +21,14 @@ def not_done(*args):
 
 
 def test_manager_checker_names_the_operation_and_the_concept():
-    assert ch03.check_manager(ch03.ReferenceManager).ok
-    assert not ch03.check_manager(not_done).attempted
+    assert check_manager(ReferenceManager).ok
+    assert not check_manager(not_done).attempted
     partial, no_never, watermark_on_append = ch03.EXERCISES["3.1"].wrong
-    v = ch03.check_manager(partial)
+    v = check_manager(partial)
     assert "append_step({'A': 2, 'B': 2}) returns False" in v.first_problem
     assert "must change nothing" in v.first_problem
-    assert "NEVER: more blocks than the pool" in ch03.check_manager(no_never).first_problem
-    v = ch03.check_manager(watermark_on_append)
+    assert "NEVER: more blocks than the pool" in check_manager(no_never).first_problem
+    v = check_manager(watermark_on_append)
     assert not v.ok and "append_step" in v.first_problem
 
 
@@ -102,10 +106,10 @@ def test_reference_allocator_rejects_without_changing_state():
 
 
 def test_beam_blocks_checker():
-    fork = ch05.BeamCase(7, 4, (), (0, 0))            # the page's first step: one copy
-    assert ch05.beam_args(fork) == ({0: [0, 1]}, 7, [0, 0], 4)
-    assert ch05.beam_blocks(fork) == ([], [1], 3)
-    assert ch05.beam_blocks(ch05.BeamCase(8, 4, (), (0, 0))) == ([], [], 4)   # full: no copy
+    fork = BeamCase(7, 4, (), (0, 0))            # the page's first step: one copy
+    assert beam_args(fork) == ({0: [0, 1]}, 7, [0, 0], 4)
+    assert beam_blocks(fork) == ([], [1], 3)
+    assert beam_blocks(BeamCase(8, 4, (), (0, 0))) == ([], [], 4)   # full: no copy
 
     def mine(tables, n, picks, bs):
         refs = {}
@@ -127,14 +131,14 @@ def test_beam_blocks_checker():
                                                                    else 0)
         return freed, copied, held
 
-    assert ch05.check_beam_blocks(mine).ok
+    assert check_beam_blocks(mine).ok
     every_beam_copies, frees_whole_tables, _ = ch05.EXERCISES["5.1"].wrong
-    v = ch05.check_beam_blocks(every_beam_copies)
+    v = check_beam_blocks(every_beam_copies)
     assert not v.ok and "picks [0, 0]: copied is [1, 1]" in v.first_problem
     assert "k - 1 copies" in v.first_problem
-    v = ch05.check_beam_blocks(frees_whole_tables)
+    v = check_beam_blocks(frees_whole_tables)
     assert "freed is [0, 2], the library's manager [2]" in v.first_problem
-    assert not ch05.check_beam_blocks(not_done).attempted
+    assert not check_beam_blocks(not_done).attempted
 
 
 def test_blocks_held_checker():
@@ -143,12 +147,12 @@ def test_blocks_held_checker():
 
     def mine(n, prompt, gen, bs):
         if gen == 0:
-            return -(-prompt // bs)
+            return cdiv(prompt, bs)
         full = prompt // bs
-        return full + n * (-(-(prompt + gen) // bs) - full)
+        return full + n * (cdiv(prompt + gen, bs) - full)
 
     assert ch05.check_blocks_held(mine).ok
-    naive = lambda n, p, g, bs: n * -(-(p + g) // bs)  # noqa: E731
+    naive = lambda n, p, g, bs: n * cdiv(p + g, bs)  # noqa: E731
     assert not ch05.check_blocks_held(naive).ok
     assert not ch05.check_blocks_held(not_done).attempted
 

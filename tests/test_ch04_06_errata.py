@@ -17,7 +17,7 @@ from course_lib.engine.workloads import (
 )
 from course_lib.exercises import ch05, ch06
 from course_lib.kernels import tiles, walkthrough
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 from course_lib.sequence import SamplingParams
 from course_lib.sim.traces import alpaca_like, few_shot, multi_turn_chat
 

@@ -6,6 +6,12 @@ import pytest
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import ch07
+from course_lib.exercises.ch07_schedule import check_schedule_step, schedule_step
+from course_lib.exercises.ch07_swap import (
+    WRONG,
+    check_schedule_running_and_swapped,
+    schedule_running_and_swapped,
+)
 from course_lib.sim.replay import CostModel, preemption_costs, replay
 from course_lib.sim.traces import sharegpt_like
 from course_lib.viz import timeline
@@ -32,13 +38,13 @@ def test_prefill_chunks_reference_and_a_learner_version():
 
 def test_v0_decode_step_reference_and_a_learner_version():
     state = ([(0, 0.0, 8), (1, 1.0, 8), (2, 2.0, 8)], [], 1, 8, 4, "swap")
-    assert ch07.schedule_running_and_swapped(*state) == ([0, 1], [(2, "swap")], [])
-    assert ch07.schedule_running_and_swapped(*state[:5], "recompute") == (
+    assert schedule_running_and_swapped(*state) == ([0, 1], [(2, "swap")], [])
+    assert schedule_running_and_swapped(*state[:5], "recompute") == (
         [0, 1], [(2, "recompute")], [])
-    assert ch07.schedule_running_and_swapped([(0, 0.0, 5)], [(1, 1.0, 7)], 2, 0, 4, "swap") == (
+    assert schedule_running_and_swapped([(0, 0.0, 5)], [(1, 1.0, 7)], 2, 0, 4, "swap") == (
         [0], [], [1])                                      # 2 blocks, its token fits in them
-    assert ch07.check_schedule_running_and_swapped(ch07.schedule_running_and_swapped).ok
-    wrong = ch07.check_schedule_running_and_swapped(ch07.WRONG[0])
+    assert check_schedule_running_and_swapped(schedule_running_and_swapped).ok
+    wrong = check_schedule_running_and_swapped(WRONG[0])
     assert not wrong.ok and "first difference" in str(wrong)
 
 
@@ -50,15 +56,15 @@ def test_cheaper_preemption():
 
 
 def test_schedule_step_reference_and_not_attempted():
-    assert ch07.schedule_step([(0, 9, 8), (1, 5, 4)], [(2, 30)], 10, 4, 4, 16) == (
+    assert schedule_step([(0, 9, 8), (1, 5, 4)], [(2, 30)], 10, 4, 4, 16) == (
         [(0, 1), (1, 1), (2, 14)], [])                       # decodes, then a chunk
-    assert ch07.schedule_step([(0, 9, 8), (1, 9, 8), (2, 9, 8)], [(3, 2)], 1, 4, 4, 64) == (
+    assert schedule_step([(0, 9, 8), (1, 9, 8), (2, 9, 8)], [(3, 2)], 1, 4, 4, 64) == (
         [(0, 1), (1, 1)], [2])                              # the last one is the victim
-    assert ch07.schedule_step([(0, 9, 8)], [(1, 1)], 0, 4, 4, 64) == ([], [0])
+    assert schedule_step([(0, 9, 8)], [(1, 1)], 0, 4, 4, 64) == ([], [0])
 
     def todo(*args):
         raise NotImplementedError  # your code here
-    verdict = ch07.check_schedule_step(todo)
+    verdict = check_schedule_step(todo)
     assert not verdict.attempted and "not attempted" in str(verdict)
 
 

@@ -13,7 +13,9 @@ from course_lib.claims import tuning
 from course_lib.exercises import ch08
 from course_lib.sim.static import MemoryTimeline
 from course_lib.sim.traces import sharegpt_like
-from course_lib.viz import capacity as viz
+from course_lib.sizing.models import ModelSpec, get_preset, verify_max_model_len
+from course_lib.sizing.units import H200_MEMORY_GIB
+from course_lib.viz.capacity_explorer import CapacityExplorer, ExplorerState
 
 pytestmark = [pytest.mark.ch07, pytest.mark.ch08]
 
@@ -158,32 +160,32 @@ def test_orca_batches_continuously_and_paging_fits_more():
     ("llama-2-7b", 4096), ("llama-2-70b", 4096), ("llama-3-8b", 8192), ("llama-3-70b", 8192),
     ("qwen2.5-7b", 131_072), ("deepseek-v3", 163_840)])
 def test_verify_max_model_len_defaults_to_and_caps_at_the_models_length(name, length):
-    spec = cap.get_preset(name)
-    assert cap.verify_max_model_len(spec) == length
-    assert cap.verify_max_model_len(spec, length) == length
-    assert cap.verify_max_model_len(spec, 16) == 16
+    spec = get_preset(name)
+    assert verify_max_model_len(spec) == length
+    assert verify_max_model_len(spec, length) == length
+    assert verify_max_model_len(spec, 16) == 16
     with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
-        cap.verify_max_model_len(spec, length + 1)
-    assert cap.verify_max_model_len(spec, 2 * length, allow_long_max_model_len=True) == 2 * length
+        verify_max_model_len(spec, length + 1)
+    assert verify_max_model_len(spec, 2 * length, allow_long_max_model_len=True) == 2 * length
 
 
 def test_verify_max_model_len_unknown_length_and_bad_values():
-    spec = cap.ModelSpec("unknown", 2, 4, 4, 64, num_params=1)
-    assert cap.verify_max_model_len(spec) == 2048            # vLLM's guess without the key
-    assert cap.verify_max_model_len(spec, 1_000_000) == 1_000_000
+    spec = ModelSpec("unknown", 2, 4, 4, 64, num_params=1)
+    assert verify_max_model_len(spec) == 2048            # vLLM's guess without the key
+    assert verify_max_model_len(spec, 1_000_000) == 1_000_000
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError):
-            cap.verify_max_model_len(cap.get_preset("llama-2-7b"), bad)
+            verify_max_model_len(get_preset("llama-2-7b"), bad)
 
 
 def test_explorer_warns_about_a_max_model_len_the_model_refuses():
-    state = viz.ExplorerState(preset="llama-2-7b", max_model_len=131_072)
+    state = ExplorerState(preset="llama-2-7b", max_model_len=131_072)
     lines = state.summary().splitlines()
     assert lines[0].startswith("Llama-2-7B (MHA)")
     assert lines[-1].startswith("warning: max_model_len=131,072") and "4,096" in lines[-1]
-    assert "warning" not in viz.ExplorerState(preset="qwen2.5-7b",
+    assert "warning" not in ExplorerState(preset="qwen2.5-7b",
                                               max_model_len=131_072).summary()
-    explorer = viz.CapacityExplorer()
+    explorer = CapacityExplorer()
     assert "warning" not in explorer.summary.value               # Llama-3-8B at 8,192
     explorer.max_model_len.value = 32_768
     assert "max_position_embeddings=8,192" in explorer.summary.value
@@ -192,10 +194,10 @@ def test_explorer_warns_about_a_max_model_len_the_model_refuses():
 
 
 def test_h200_figure_and_the_exercise_case_that_uses_it():
-    assert cap.H200_MEMORY_GIB == H200 and round(H200, 1) == 140.4
-    case = (cap.H200_MEMORY_GIB, 0.92, 65.71, 2, 2_621_440)
+    assert H200_MEMORY_GIB == H200 and round(H200, 1) == 140.4
+    case = (H200_MEMORY_GIB, 0.92, 65.71, 2, 2_621_440)
     assert case in ch08.BLOCK_CASES
     usable = round(round(143_771 * 2**20) * 0.92)
     expected = (usable - round(65.71 * 2**30) - 2 * 2**30) // (16 * 80 * 2 * 4 * 128 * 2)
     assert expected == 25_173 == ch08.reference_num_gpu_blocks(*case)
-    assert 2_621_440 == cap.block_bytes(cap.get_preset("llama-3-70b"), 16, 2)
+    assert 2_621_440 == cap.block_bytes(get_preset("llama-3-70b"), 16, 2)

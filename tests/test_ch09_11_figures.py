@@ -9,10 +9,11 @@ import torch
 
 from course_lib import capacity as cap
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.engine import LLMEngine
+from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import model_trace
 from course_lib.exercises import ch10
-from course_lib.model import load_tiny_model
+from course_lib.model.loader import load_tiny_model
+from course_lib.sizing.models import get_preset
 
 pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)
@@ -60,7 +61,7 @@ def test_metric_names_follow_the_design(model) -> None:
 def test_article_prefix_case_numbers() -> None:
     c = ch10.article_prefix_case()
     assert c.speedup == pytest.approx(2600 / 850)
-    l8 = cap.get_preset("llama-3-8b")
+    l8 = get_preset("llama-3-8b")
     assert c.kv_bytes_needed == 64_000 * cap.kv_bytes_per_token(l8) == 64_000 * 131_072
     assert c.pool_tokens_per_gpu == cap.plan_kv_cache(l8, 80).num_gpu_tokens
     assert c.pool_tokens_per_gpu > 64_000                 # memory does not limit the batch

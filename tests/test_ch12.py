@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib.exercises import ch12
-from course_lib.memory import KVCacheManager
+from course_lib.memory.v1.kv_cache_manager import KVCacheManager
 
 pytestmark = pytest.mark.ch12
 

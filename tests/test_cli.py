@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.__main__ import main
-from course_lib.engine import LLMEngine
+from course_lib.engine.llm_engine import LLMEngine
 from course_lib.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch10

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.engine import LLMEngine
-from course_lib.model import EOS_ID, ByteTokenizer, generate_contiguous, load_tiny_model
+from course_lib.engine.llm_engine import LLMEngine
+from course_lib.model.generate import generate_contiguous
+from course_lib.model.loader import load_tiny_model
+from course_lib.model.tokenizer import EOS_ID, ByteTokenizer
 from course_lib.scheduler.metrics import serve_metrics
 from course_lib.sequence import SamplingParams
 

@@ -8,10 +8,12 @@ import torch
 
 from course_lib import capacity as cap
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.engine import LLMEngine
+from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.model_runner import ModelRunner
 from course_lib.exercises import ch10, ch11
-from course_lib.model import ByteTokenizer, load_tiny_model
+from course_lib.exercises.ch10_beams import beam_step, check_beam_step
+from course_lib.model.loader import load_tiny_model
+from course_lib.model.tokenizer import ByteTokenizer
 from course_lib.sequence import SamplingParams
 from course_lib.viz.serving import TableHistory, draw_sharing, draw_table_growth
 
@@ -32,13 +34,13 @@ def not_attempted(*args):
 # ---------------------------------------------------------------- chapter 10
 def test_ch10_checkers_pass_the_library_and_fail_wrong_answers() -> None:
     assert ch10.check_flatten_step(ch10.flatten_step).ok
-    assert ch10.check_beam_step(ch10.beam_step).ok
+    assert check_beam_step(beam_step).ok
     assert ch10.check_sharing_saving(ch10.sharing_saving).ok
     # wrong: sorts the new beams worst first / says no sharing ever
-    worst = ch10.check_beam_step(lambda b, lg, w: ch10.beam_step(b, lg, w)[::-1])
+    worst = check_beam_step(lambda b, lg, w: beam_step(b, lg, w)[::-1])
     assert not worst.ok and "first difference" in str(worst)
     assert not ch10.check_sharing_saving(lambda ts: 0.0).ok
-    for checker in (ch10.check_flatten_step, ch10.check_beam_step, ch10.check_sharing_saving):
+    for checker in (ch10.check_flatten_step, check_beam_step, ch10.check_sharing_saving):
         assert "not attempted yet" in str(checker(not_attempted))
 
 
@@ -60,7 +62,8 @@ def test_ch10_drawings_show_tables_and_sharing(model) -> None:
 
 # ---------------------------------------------------------------- chapter 11
 def test_ch11_tiny_spec_matches_the_runners_tensors(model) -> None:
-    runner = ModelRunner(model, block_size=16, num_gpu_blocks=2, attn_impl="reference")
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_gpu_blocks=2),
+                         attn_impl="reference")
     assert cap.block_bytes(ch11.tiny_spec(model), 16) == runner.kv_bytes_per_block
 
 

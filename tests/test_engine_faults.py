@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from memory_helpers import snapshot as manager_state
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.engine import LLMEngine, llm_engine, model_runner, rollback
+from course_lib.engine import llm_engine, model_runner, rollback
+from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.rollback import StepFailed
-from course_lib.model import load_tiny_model
+from course_lib.model.loader import load_tiny_model
 from course_lib.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch10

@@ -8,15 +8,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from course_lib.config import CacheConfig
+from course_lib.engine import model_runner
+from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.model_runner import ModelRunner
 from course_lib.engine.sampler import sample_one, sample_seed, top_p_probs
 from course_lib.engine.workloads import model_trace, run_static
 from course_lib.kernels.batched import paged_attention_batched
 from course_lib.kernels.reference import paged_attention_ref
-from course_lib.memory import BlockManager
-from course_lib.model import load_tiny_model
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.model.loader import load_tiny_model
 from course_lib.scheduler.output import SchedulerOutput
 from course_lib.sequence import SamplingParams
+from course_lib.sizing.units import cdiv
 
 pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)
@@ -30,7 +34,7 @@ def test_batched_attention_equals_the_reference(seqs, block_size, heads, seed) -
     unused slots: the batched path gives the reference's output."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(seed)
-    per_seq = [-(-(c + q) // block_size) for c, q in seqs]
+    per_seq = [cdiv(c + q, block_size) for c, q in seqs]
     num_blocks = sum(per_seq) + 2
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, at = [], 0
@@ -77,7 +81,7 @@ def test_sampler_is_greedy_at_zero_and_seeded_otherwise() -> None:
 
 def test_runner_executes_swaps_and_copies_in_order() -> None:
     model = load_tiny_model()
-    runner = ModelRunner(model, block_size=4, num_gpu_blocks=6, num_cpu_blocks=4,
+    runner = ModelRunner(model, CacheConfig(block_size=4, num_gpu_blocks=6, num_cpu_blocks=4),
                          attn_impl="reference")
     for i, (k, v) in enumerate(runner.gpu_caches):
         for b in range(6):
@@ -92,7 +96,7 @@ def test_runner_executes_swaps_and_copies_in_order() -> None:
         assert float(k[2].mean()) == 10 * i                # the copy ran after the swap-out
         assert float(runner.cpu_caches[i][0][1].mean()) == 2 + 10 * i
     assert runner.num_swapped_blocks == 2 and runner.num_copied_blocks == 1
-    no_swap = ModelRunner(model, 4, 6, 0, "reference")
+    no_swap = ModelRunner(model, CacheConfig(4, 6, 0), "reference")
     with pytest.raises(ValueError, match="num_cpu_blocks"):
         no_swap.execute_cache_ops(out)
     assert runner.kv_bytes_per_block == 2 * 4 * 4 * 2 * 32 * 4
@@ -104,15 +108,16 @@ def test_runner_builds_its_inputs_from_the_scheduler_output_alone() -> None:
     an entry whose block ids cannot hold its tokens is refused with the reason."""
     from dataclasses import replace
 
-    from course_lib.config import CacheConfig, SchedulerConfig
-    from course_lib.scheduler import Scheduler
+    from course_lib.config import SchedulerConfig
+    from course_lib.scheduler.scheduler import Scheduler
 
     model = load_tiny_model()
     sched = Scheduler(SchedulerConfig(max_model_len=256), CacheConfig(4, 16, watermark=0.0))
     sched.add_request(0, list(range(1, 11)), SamplingParams(max_tokens=3))
     sched.add_request(1, list(range(20, 26)), SamplingParams(max_tokens=3))
     out = sched.schedule()
-    runner = ModelRunner(model, block_size=4, num_gpu_blocks=16, attn_impl="reference")
+    runner = ModelRunner(model, CacheConfig(block_size=4, num_gpu_blocks=16),
+                         attn_impl="reference")
     ids, pos, meta = runner.prepare_inputs(out.scheduled)
     bm = sched.block_manager
     for row, e in zip(meta.block_tables.tolist(), out.scheduled, strict=True):
@@ -123,6 +128,25 @@ def test_runner_builds_its_inputs_from_the_scheduler_output_alone() -> None:
     short = replace(out.scheduled[0], block_ids=out.scheduled[0].block_ids[:2])
     with pytest.raises(ValueError, match="2 blocks of 4 cannot hold tokens 0..9"):
         runner.prepare_inputs([short])
+
+
+@pytest.mark.parametrize("design", ["v0", "v1"])
+def test_engine_refuses_kv_tensors_whose_blocks_differ_from_the_block_managers(
+        monkeypatch, design) -> None:
+    """The runner sizes its tensors from the CacheConfig, and the engine checks, when it is
+    built, that dimension 1 of each KV cache tensor is the block manager's block_size."""
+    model = load_tiny_model()
+    cache = CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=2)
+    engine = LLMEngine(model, cache_config=cache, attn_impl="reference", design=design)
+    assert {c.shape[1] for layer in engine.runner.gpu_caches for c in layer} == {4}
+    assert engine.runner.block_size == engine.block_manager.block_size == 4
+    # the runner's swap space is the block manager's CPU pool: V1's manager has none
+    assert len(engine.runner.cpu_caches) == (model.config.num_layers if design == "v0" else 0)
+    allocate = model_runner.allocate_kv_caches
+    monkeypatch.setattr(model_runner, "allocate_kv_caches",
+                        lambda cfg, n, block_size, *a: allocate(cfg, n, 2 * block_size, *a))
+    with pytest.raises(ValueError, match=r"block_size=4, but .* hold 8 tokens per block"):
+        LLMEngine(model, cache_config=cache, attn_impl="reference", design=design)
 
 
 def test_model_trace_fits_the_context_and_uses_bytes() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from course_lib.device import BACKEND
 from course_lib.exercises import ch00, launches
+from course_lib.exercises.solutions import ch00 as solutions
 
 pytestmark = pytest.mark.ch00
 needs_triton = pytest.mark.skipif(not BACKEND.uses_triton, reason="the kernels need Triton")
@@ -51,13 +52,13 @@ def test_launches_are_recorded_only_inside_the_block():
         return
     x = __import__("torch").ones(5)
     with launches.recorded() as kernels:
-        ch00.solutions.leaky_relu(x, x.clone(), 0.1, 4)
+        solutions.leaky_relu(x, x.clone(), 0.1, 4)
         smoke.add(x, x)
     assert ("course_lib.exercises.solutions.ch00", "leaky_relu_kernel") in kernels
     assert [k for k in kernels if k[0] == "course_lib.kernels.smoke"]
     assert launches.own(kernels) == [("course_lib.exercises.solutions.ch00", "leaky_relu_kernel")]
     before = len(kernels)
-    ch00.solutions.leaky_relu(x, x.clone(), 0.1, 4)
+    solutions.leaky_relu(x, x.clone(), 0.1, 4)
     assert len(kernels) == before                              # the spy is gone
 
 

@@ -7,6 +7,13 @@ import pytest
 import torch
 
 from course_lib.exercises import ch01
+from course_lib.exercises.ch01_batch import (
+    WRONG_IDEAS,
+    batch_cases,
+    check_max_batch_size,
+    reference_max_batch_size,
+    reference_num_params,
+)
 
 pytestmark = pytest.mark.ch01
 
@@ -53,34 +60,34 @@ def test_config_cases_leave_keys_out_as_real_configs_do():
 # ---------------------------------------------------------------- 1.3: the largest batch
 
 def test_1_3_parameter_counts_are_the_published_ones():
-    from course_lib import capacity as cap
     from course_lib.exercises.ch01_batch import CONFIGS as configs
+    from course_lib.sizing.models import get_preset
 
     for name in ("Llama-2-7B", "Llama-3-8B", "Llama-3-70B"):
-        assert ch01.reference_num_params(configs[name]) == cap.get_preset(name).num_params
-    assert ch01.reference_num_params(configs["Llama-3.2-1B"]) == 1_235_814_400   # tied head
-    assert ch01.reference_num_params(configs["Gemma-2B"]) == 2_506_172_416       # MQA, tied
+        assert reference_num_params(configs[name]) == get_preset(name).num_params
+    assert reference_num_params(configs["Llama-3.2-1B"]) == 1_235_814_400   # tied head
+    assert reference_num_params(configs["Gemma-2B"]) == 2_506_172_416       # MQA, tied
 
 
 def test_1_3_cases_have_exact_fits_and_models_that_do_not_load():
-    cases = ch01.batch_cases()
-    answers = [ch01.reference_max_batch_size(*c) for c in cases]
+    cases = batch_cases()
+    answers = [reference_max_batch_size(*c) for c in cases]
     assert answers.count(0) >= 4 and max(answers) > 100
     exact = [(c, a) for c, a in zip(cases, answers, strict=True)
-             if a == ch01.reference_max_batch_size(c[0], c[1] - 1 / 2**30, c[2], c[3]) + 1]
+             if a == reference_max_batch_size(c[0], c[1] - 1 / 2**30, c[2], c[3]) + 1]
     assert len(exact) >= 3                          # one byte less: one request fewer
     assert any(c[0].get("tie_word_embeddings") for c in cases)
     assert any("num_key_value_heads" not in c[0] for c in cases)
 
 
 def test_1_3_feedback_names_the_part_of_the_model_that_was_miscounted():
-    for wrong, idea in ch01.WRONG_IDEAS:
-        v = ch01.check_max_batch_size(wrong)
+    for wrong, idea in WRONG_IDEAS:
+        v = check_max_batch_size(wrong)
         assert not v.ok and idea in v.first_problem, (wrong.__name__, v)
 
     def reads_every_key(config, gib, prompt_len, output_len):
         assert config["num_key_value_heads"] and config["head_dim"]   # KeyError if missing
-        return ch01.reference_max_batch_size(config, gib, prompt_len, output_len)
+        return reference_max_batch_size(config, gib, prompt_len, output_len)
 
-    v = ch01.check_max_batch_size(reads_every_key)
+    v = check_max_batch_size(reads_every_key)
     assert "KeyError" in v.first_problem and "means MHA" in v.first_problem

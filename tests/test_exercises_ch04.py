@@ -8,6 +8,8 @@ import torch
 
 from course_lib.device import BACKEND
 from course_lib.exercises import ch04
+from course_lib.kernels import reference
+from course_lib.sizing.units import cdiv
 
 pytestmark = pytest.mark.ch04
 needs_triton = pytest.mark.skipif(not BACKEND.uses_triton, reason="the kernels need Triton")
@@ -17,7 +19,7 @@ def test_every_case_has_nan_in_the_free_slots_and_minus_one_past_the_table():
     for c in ch04.gather_cases() + ch04.decode_cases():
         bs, n = c["block_size"], c["seq_len"]
         table = c["table"].tolist()
-        assert table[-2:] == [-1, -1] and len(table) == -(-n // bs) + 2
+        assert table[-2:] == [-1, -1] and len(table) == cdiv(n, bs) + 2
         owned = torch.zeros(c["key_cache"].shape[:2], dtype=torch.bool)
         for p in range(n):
             owned[table[p // bs], p % bs] = True
@@ -53,7 +55,7 @@ def test_wrong_kernels_are_told_the_idea_they_missed():
 @needs_triton
 def test_decode_names_a_missing_scale():
     def unscaled(q, key_cache, value_cache, block_table, seq_len):
-        k, v = ch04.reference.gather_kv(key_cache, value_cache, block_table, seq_len)
+        k, v = reference.gather_kv(key_cache, value_cache, block_table, seq_len)
         return torch.softmax(k[:, 0].float() @ q.float(), 0) @ v[:, 0].float()
 
     problem = ch04.check_decode_one_head(unscaled).first_problem

@@ -9,6 +9,20 @@ import math
 import pytest
 
 from course_lib.exercises import ch07, ch07_swap
+from course_lib.exercises.ch07_schedule import (
+    _admits_after_preempting,
+    _no_chunked_prefill,
+    _preempts_the_one_that_needs,
+    check_schedule_step,
+    schedule_cases,
+    schedule_step,
+)
+from course_lib.exercises.ch07_swap import (
+    check_schedule_running_and_swapped,
+    explain_step,
+    schedule_running_and_swapped,
+    swap_cases,
+)
 from course_lib.sim.replay import CostModel
 
 pytestmark = pytest.mark.ch07
@@ -40,20 +54,20 @@ def test_7_1_accepts_a_tuple_and_names_a_real_difference():
 
 
 def test_7_4_feedback_names_the_rule():
-    v = ch07.check_schedule_step(ch07._admits_after_preempting)
+    v = check_schedule_step(_admits_after_preempting)
     assert "nobody joins in a step that preempted" in v.first_problem
-    v = ch07.check_schedule_step(ch07._preempts_the_one_that_needs)
+    v = check_schedule_step(_preempts_the_one_that_needs)
     assert "the *last* running request" in v.first_problem
-    v = ch07.check_schedule_step(ch07._no_chunked_prefill)
+    v = check_schedule_step(_no_chunked_prefill)
     assert "chunked prefill" in v.first_problem
-    assert "expected a pair" in ch07.check_schedule_step(lambda *a: None).first_problem
+    assert "expected a pair" in check_schedule_step(lambda *a: None).first_problem
 
 
 def test_7_4_cases_preempt_chunk_and_stop_for_each_reason():
-    decisions = [ch07.schedule_step(*c) for c in ch07.schedule_cases()]
+    decisions = [schedule_step(*c) for c in schedule_cases()]
     assert sum(bool(p) for _, p in decisions) >= 10
     assert any(p and p[-1] not in [rid for rid, _ in s] and not s for s, p in decisions)
-    cases = ch07.schedule_cases()
+    cases = schedule_cases()
     waiting_chunks = [(rid, n) for c, (s, _) in zip(cases, decisions, strict=True)
                       for rid, n in s if n < dict(c[1]).get(rid, 0)]
     assert len(waiting_chunks) >= 5
@@ -62,21 +76,21 @@ def test_7_4_cases_preempt_chunk_and_stop_for_each_reason():
 # ---------------------------------------------------------------- 7.2: one V0 decode step
 
 def test_7_2_explanations_replay_the_library_on_every_case():
-    for case in ch07.swap_cases():
-        (step, why) = ch07.explain_step(*case)
-        assert step == ch07.schedule_running_and_swapped(*case), case
+    for case in swap_cases():
+        (step, why) = explain_step(*case)
+        assert step == schedule_running_and_swapped(*case), case
         assert len(why) >= len(step[1]) + len(step[2])     # a reason for every event
 
 
 def test_7_2_cases_reach_every_rule():
-    steps = [ch07.schedule_running_and_swapped(*c) for c in ch07.swap_cases()]
+    steps = [schedule_running_and_swapped(*c) for c in swap_cases()]
     modes = [m for _, pre, _ in steps for _, m in pre]
     assert modes.count("swap") >= 5 and modes.count("recompute") >= 5
-    assert sum(1 for c, (_, pre, _) in zip(ch07.swap_cases(), steps, strict=True)
+    assert sum(1 for c, (_, pre, _) in zip(swap_cases(), steps, strict=True)
                if c[5] == "swap" and any(m == "recompute" for _, m in pre)) >= 2   # CPU full
     assert sum(1 for dec, pre, _ in steps if pre and pre[-1][0] not in dec) >= 5   # itself
     assert sum(1 for _, _, back in steps if back) >= 10
-    assert sum(1 for c, (_, _, back) in zip(ch07.swap_cases(), steps, strict=True)
+    assert sum(1 for c, (_, _, back) in zip(swap_cases(), steps, strict=True)
                if c[1] and len(back) < len(c[1])) >= 10                    # some stay out
 
 
@@ -88,7 +102,7 @@ def test_7_2_cases_reach_every_rule():
     ("_swap_in_after_preempting", "nobody comes back in a step that preempted"),
 ])
 def test_7_2_feedback_names_the_rule(wrong, words):
-    v = ch07.check_schedule_running_and_swapped(getattr(ch07_swap, wrong))
+    v = check_schedule_running_and_swapped(getattr(ch07_swap, wrong))
     assert not v.ok and words in v.first_problem, v.first_problem
     assert "expected (decoded, preempted, swapped_in)" in \
-        ch07.check_schedule_running_and_swapped(lambda *a: None).first_problem
+        check_schedule_running_and_swapped(lambda *a: None).first_problem

@@ -6,6 +6,15 @@ from __future__ import annotations
 import pytest
 
 from course_lib.exercises import ch08
+from course_lib.exercises.ch08_requests import (
+    _average_request,
+    _last_token_cached,
+    _mix_tokens_not_blocks,
+    _reserve_final_size,
+    check_max_num_requests,
+    reference_max_num_requests,
+    request_cases,
+)
 
 pytestmark = pytest.mark.ch08
 
@@ -32,7 +41,7 @@ def runs_together(num_gpu_blocks: int, block_size: int, mix: list[tuple[int, int
     """The V0 scheduler admits every request of ``mix`` in step 0 and runs them all to the end
     without a preemption."""
     from course_lib.config import CacheConfig, SchedulerConfig
-    from course_lib.scheduler import Scheduler
+    from course_lib.scheduler.scheduler import Scheduler
     from course_lib.sequence import SamplingParams
     from course_lib.sim.fake_sampler import fake_samples
 
@@ -55,22 +64,22 @@ def runs_together(num_gpu_blocks: int, block_size: int, mix: list[tuple[int, int
 
 
 def test_8_3_reference_is_what_the_v0_scheduler_runs_without_preempting():
-    cases = [c for c in ch08.request_cases(count=12) if c[0] > 0]
+    cases = [c for c in request_cases(count=12) if c[0] > 0]
     assert len(cases) >= 20
     for pool, bs, mix in cases:
-        k = ch08.reference_max_num_requests(pool, bs, mix)
+        k = reference_max_num_requests(pool, bs, mix)
         assert runs_together(pool, bs, mix[:k]), (pool, bs, mix, k)
         if k < len(mix):
             assert not runs_together(pool, bs, mix[:k + 1]), (pool, bs, mix, k)
 
 
 def test_8_3_cases_separate_the_usual_mistakes_from_the_answer():
-    answers = [ch08.reference_max_num_requests(*c) for c in ch08.request_cases()]
+    answers = [reference_max_num_requests(*c) for c in request_cases()]
     assert 0 in answers and any(a == len(c[2]) > 1 for a, c in
-                                zip(answers, ch08.request_cases(), strict=True))
-    for wrong, words in ((ch08._reserve_final_size, "final size"),
-                         (ch08._mix_tokens_not_blocks, "not whole blocks"),
-                         (ch08._last_token_cached, "never written to the cache")):
-        v = ch08.check_max_num_requests(wrong)
+                                zip(answers, request_cases(), strict=True))
+    for wrong, words in ((_reserve_final_size, "final size"),
+                         (_mix_tokens_not_blocks, "not whole blocks"),
+                         (_last_token_cached, "never written to the cache")):
+        v = check_max_num_requests(wrong)
         assert not v.ok and words in v.first_problem, (wrong, v)
-    assert "step" in ch08.check_max_num_requests(ch08._average_request).first_problem
+    assert "step" in check_max_num_requests(_average_request).first_problem

@@ -16,8 +16,9 @@ import torch
 
 from course_lib.engine.sampler import sample
 from course_lib.exercises import ch10
+from course_lib.exercises.ch10_beams import _beam_cases, beam_step, check_beam_step
 from course_lib.exercises.solutions import ch10 as solutions
-from course_lib.model import make_attention_metadata
+from course_lib.model.attention import make_attention_metadata
 from course_lib.scheduler.output import ScheduledSeq
 from course_lib.scheduler.output_processor import _beam_step
 from course_lib.sequence import Request, SamplingParams, Sequence
@@ -66,8 +67,8 @@ def greedy(beams, logits):
 
 def test_10_2_reference_is_the_engines_beam_step_and_greedy_for_width_1():
     widths = {1: 0, 2: 0, 3: 0, 4: 0}
-    for beams, logits, width in ch10._beam_cases():
-        want = ch10.beam_step(beams, logits, width)
+    for beams, logits, width in _beam_cases():
+        want = beam_step(beams, logits, width)
         widths[width] += 1
         if width == 1:
             if len(beams) == 1 and max(map(abs, logits[0])) < 100:
@@ -84,11 +85,11 @@ def test_10_2_reference_is_the_engines_beam_step_and_greedy_for_width_1():
 
 def test_10_2_a_correct_width_1_answer_passes():
     case = ([([], 0.0)], [[0.0, 1.0, 2.0, 3.0]], 1)
-    (tokens, score, parent), = ch10.beam_step(*case)
+    (tokens, score, parent), = beam_step(*case)
     assert tokens == [3] and parent == 0 and math.isclose(score, -0.4401896985611957)
-    assert ch10.check_beam_step(solutions.beam_step).ok
+    assert check_beam_step(solutions.beam_step).ok
 
     rng = random.Random(0)
     for _ in range(20):                            # random single-beam greedy cases agree
         row = [rng.gauss(0, 2) for _ in range(8)]
-        assert ch10.beam_step([([], 0.0)], [row], 1)[0][0] == greedy([([], 0.0)], [row])[0][0]
+        assert beam_step([([], 0.0)], [row], 1)[0][0] == greedy([([], 0.0)], [row])[0][0]

@@ -14,6 +14,7 @@ import torch
 
 from course_lib.exercises import capstone_checks as checks
 from course_lib.exercises import ch11
+from course_lib.exercises.ch11_serving import TokenTimes, check_serving_metrics
 from course_lib.exercises.solutions import ch11 as solutions
 
 pytestmark = pytest.mark.ch11
@@ -93,14 +94,14 @@ def test_the_reference_agrees_with_the_courses_histograms_on_a_simulated_run():
 
 def test_token_times_records_a_real_engine_run(model):
     from course_lib.config import CacheConfig, SchedulerConfig
-    from course_lib.engine import LLMEngine
+    from course_lib.engine.llm_engine import LLMEngine
     from course_lib.sequence import SamplingParams
 
     ticks = iter(range(10_000))
     engine = LLMEngine(model, SchedulerConfig(max_model_len=256),
                        CacheConfig(block_size=16, num_gpu_blocks=32), stop_token_ids=(),
                        clock=lambda: 0.5 * next(ticks))
-    times = ch11.TokenTimes(engine.metrics)
+    times = TokenTimes(engine.metrics)
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4, temperature=0.0))
     records = times.records()
     assert [len(t) for _, t in records] == [4, 4]
@@ -114,13 +115,13 @@ def test_serving_metrics_mistakes_name_the_definition():
 
     tpot, rank, itl = serving.WRONG
     assert "averaged over the requests with more than one token" in \
-        ch11.check_serving_metrics(tpot).first_problem
-    assert "interpolates linearly" in ch11.check_serving_metrics(rank).first_problem
-    assert "all requests' gaps in one list" in ch11.check_serving_metrics(itl).first_problem
+        check_serving_metrics(tpot).first_problem
+    assert "interpolates linearly" in check_serving_metrics(rank).first_problem
+    assert "all requests' gaps in one list" in check_serving_metrics(itl).first_problem
 
     def seconds(records, p):
         return {k: (m / 1000, q / 1000) for k, (m, q) in
                 solutions.serving_metrics(records, p).items()}
 
-    assert "milliseconds" in ch11.check_serving_metrics(seconds).first_problem
-    assert ch11.check_serving_metrics(solutions.serving_metrics).ok
+    assert "milliseconds" in check_serving_metrics(seconds).first_problem
+    assert check_serving_metrics(solutions.serving_metrics).ok

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib.exercises import ch12, ch12_allocate
+from course_lib.exercises.ch12_allocate import check_allocate_slots
 from course_lib.exercises.solutions import ch12 as solutions
 
 pytestmark = pytest.mark.ch12
@@ -43,12 +44,12 @@ def test_the_cases_reach_every_idea_of_the_exercise():
 
 
 def test_the_solution_passes_and_the_stub_is_not_attempted():
-    assert ch12.check_allocate_slots(solutions.allocate_slots).ok
+    assert check_allocate_slots(solutions.allocate_slots).ok
 
     def stub(*args):
         raise NotImplementedError
 
-    assert "not attempted" in str(ch12.check_allocate_slots(stub))
+    assert "not attempted" in str(check_allocate_slots(stub))
 
 
 @pytest.mark.parametrize("wrong, idea", [
@@ -61,7 +62,7 @@ def test_the_solution_passes_and_the_stub_is_not_attempted():
     (ch12.touches_hits_last, "taken after the hits are touched"),
 ])
 def test_each_wrong_answer_is_told_the_idea_it_missed(wrong, idea):
-    verdict = ch12.check_allocate_slots(wrong)
+    verdict = check_allocate_slots(wrong)
     assert verdict.attempted and not verdict.ok
     assert idea in verdict.first_problem, verdict.first_problem
     assert "after " in verdict.first_problem and "free blocks:" in verdict.first_problem
@@ -77,7 +78,7 @@ def test_a_partial_block_given_a_future_hash_is_named():
             pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, upto)
         return new
 
-    problem = ch12.check_allocate_slots(caches_partial_when_it_can).first_problem
+    problem = check_allocate_slots(caches_partial_when_it_can).first_problem
     assert "is cached, the library's is not: only full blocks" in problem, problem
 
 
@@ -86,7 +87,7 @@ def test_returning_the_whole_table_is_told_so():
         new = solutions.allocate_slots(pool, req, n, hits, bs, watermark)
         return None if new is None else req.blocks
 
-    problem = ch12.check_allocate_slots(whole_table).first_problem
+    problem = check_allocate_slots(whole_table).first_problem
     assert "return only the blocks this step took" in problem, problem
 
 
@@ -94,7 +95,7 @@ def test_a_learner_exception_is_a_verdict_not_a_crash():
     def breaks(pool, req, n, hits, bs, watermark):
         raise KeyError("oops")
 
-    verdict = ch12.check_allocate_slots(breaks)
+    verdict = check_allocate_slots(breaks)
     assert verdict.passed == 0 and "raises KeyError" in verdict.first_problem
 
 

@@ -12,6 +12,7 @@ import torch
 
 from course_lib.device import BACKEND
 from course_lib.kernels import batch, interpreter_incompatibility, reference, tiles
+from course_lib.sizing.units import cdiv
 
 pytestmark = [pytest.mark.ch04,
               pytest.mark.skipif(not BACKEND.uses_triton, reason="needs Triton"),
@@ -76,9 +77,9 @@ def test_split_k_decode_merges_splits_exactly(num_splits):
     b = batch.make_paged_batch([1, 15, 16, 17, 150], num_heads=8, num_kv_heads=2,
                                head_dim=32, block_size=16, seed=num_splits, device=DEV)
     tile_n = 16                                                # tl.dot's minimum on a GPU
-    per_split = tiles.cdiv(tiles.cdiv(150, tile_n), num_splits) * tile_n
+    per_split = cdiv(cdiv(150, tile_n), num_splits) * tile_n
     cfg = tiles.DecodeTiles(tile_n=tile_n, head_pad=32, group_pad=16,
-                            num_splits=tiles.cdiv(150, per_split), tokens_per_split=per_split,
+                            num_splits=cdiv(150, per_split), tokens_per_split=per_split,
                             upcast=BACKEND.interpreted)
     assert cfg.num_splits == num_splits
     got = paged_decode(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,

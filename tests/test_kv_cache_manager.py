@@ -3,13 +3,29 @@ allocation without a probe, and a stateful hypothesis test with the invariants."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from course_lib.memory import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
-from course_lib.memory.block_pool import NONE_HASH, hash_block_tokens, sha256
+from course_lib.memory.v1.block_pool import (
+    HASH_FUNCTIONS,
+    NONE_HASH,
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    block_hash_extra_keys,
+    hash_block_tokens,
+    none_hash_for,
+    resolve_none_hash_seed,
+    sha256,
+    sha256_cbor,
+    xxhash,
+    xxhash_cbor,
+)
+from course_lib.memory.v1.kv_cache_manager import KVCacheManager
 
 pytestmark = pytest.mark.ch06
 BS = 4
@@ -30,18 +46,69 @@ def test_free_queue_pops_front_removes_from_the_middle_and_keeps_both_links():
     q.append(blocks[2])
     assert [b.block_id for b in q.get_all_free_blocks()] == [0, 1, 3, 4, 2]
     assert [b.block_id for b in q.popleft_n(5)] == [0, 1, 3, 4, 2]
-    with pytest.raises(ValueError, match="no free blocks"):
+    with pytest.raises(ValueError, match="No free blocks available"):        # vLLM's
         q.popleft()
-    with pytest.raises(ValueError, match="not in the free queue"):
+    with pytest.raises(RuntimeError, match="remove.. called on an invalid block"):
         q.remove(blocks[1])
 
 
+def test_a_corrupted_free_queue_fails_as_vllms_does():
+    """A block whose links a caller broke: popleft raises vLLM's RuntimeError, and so does a
+    second remove of the same block (tests/fidelity compares these with vLLM's own queue)."""
+    blocks = [KVCacheBlock(i) for i in range(3)]
+    q = FreeKVCacheBlockQueue(blocks)
+    blocks[0].next_free_block = None                   # corrupted by a caller
+    with pytest.raises(RuntimeError, match="doesn't have a valid next_free_block"):
+        q.popleft()
+    q = FreeKVCacheBlockQueue(blocks := [KVCacheBlock(i) for i in range(3)])
+    q.remove(blocks[1])
+    with pytest.raises(RuntimeError, match="invalid block"):
+        q.remove(blocks[1])
+    with pytest.raises(ValueError, match="Cannot get 4 free blocks from the pool"):
+        BlockPool(3).get_new_blocks(4)
+
+
 def test_hashes_chain_from_vllms_none_hash_and_equal_content_gives_equal_hashes():
-    assert NONE_HASH == sha256("vllm-none-hash")
+    assert NONE_HASH == sha256(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
     first = hash_block_tokens(None, [1, 2, 3, 4])
     assert first == hash_block_tokens(NONE_HASH, (1, 2, 3, 4))
     assert hash_block_tokens(first, [5, 6, 7, 8]) != hash_block_tokens(None, [5, 6, 7, 8])
-    assert hash_block_tokens(None, [1, 2, 3, 4], "salt") != first
+    salted = block_hash_extra_keys(0, "salt")
+    assert salted == (("cache_salt", "salt"),)         # vLLM's generate_block_hash_extra_keys
+    assert hash_block_tokens(None, [1, 2, 3, 4], salted) != first
+    assert block_hash_extra_keys(4, "salt") is None    # the first block only
+    assert block_hash_extra_keys(0, "") is None        # an empty salt is no salt
+
+
+def test_none_hash_seed_is_vllms(monkeypatch):
+    """vLLM's resolve_none_hash_seed: PYTHONHASHSEED wins; else the fixed seed for sha256,
+    random (once per process) for xxhash."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert resolve_none_hash_seed(sha256) == "vllm-none-hash"
+    assert resolve_none_hash_seed(sha256_cbor) == "vllm-none-hash"
+    seed = resolve_none_hash_seed(xxhash)
+    assert seed != "vllm-none-hash" and len(seed) == 64
+    assert resolve_none_hash_seed(xxhash_cbor) == seed                 # once per process
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert resolve_none_hash_seed(sha256) == resolve_none_hash_seed(xxhash) == "42"
+    assert none_hash_for(sha256) == sha256("42")
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
+def test_the_manager_takes_vllms_four_hash_algorithms(algo):
+    m = KVCacheManager(BS, 16, prefix_caching_hash_algo=algo)
+    assert m.hash_fn is HASH_FUNCTIONS[algo]
+    admit(m, 0, toks(9))
+    assert admit(m, 1, toks(9)) == 8
+    first = hash_block_tokens(None, toks(4), None, m.hash_fn, m.none_hash)
+    assert m.req_to_block_hashes[0][0] == first and len(first) in (16, 32)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("algo", ["builtin", "md5"])
+def test_the_manager_refuses_a_hash_vllm_has_not(algo):
+    with pytest.raises(ValueError, match="Unsupported hash function"):
+        KVCacheManager(BS, 16, prefix_caching_hash_algo=algo)
 
 
 # -------------------------------------------------------------------- the manager
@@ -115,6 +182,7 @@ def test_a_salt_changes_the_first_hash_only_and_separates_namespaces():
     assert admit(m, 2, toks(9), salt="alice") == 8
     a, b = m.req_to_block_hashes[0], m.req_to_block_hashes[1]
     assert a[0] != b[0] and a[1] != b[1]               # the chain carries the salt on
+    assert admit(m, 3, toks(9)) == 0 and admit(m, 4, toks(9), salt="") == 8   # "": no salt
 
 
 def test_reset_prefix_cache_only_when_idle_and_invariants_catch_corruption():

@@ -4,7 +4,9 @@
 * no module imports a layer above its own (``LAYERS`` below, bottom first);
 * ``memory/``, ``scheduler/`` and the other torch-free layers import no torch or triton, not
   even through another course_lib module;
-* the package root holds at most 7 modules besides ``__init__.py`` / ``__main__.py``.
+* the package root holds at most 7 modules besides ``__init__.py`` / ``__main__.py``;
+* inside ``memory/``, the three designs (``v0/``, ``v1/``, ``radix/``) never import one
+  another's modules: each builds on the shared modules at ``memory/``'s top level only.
 
 Each detector is first shown to trip on a small package that breaks its rule.
 """
@@ -12,6 +14,8 @@ Each detector is first shown to trip on a small package that breaks its rule.
 from __future__ import annotations
 
 import ast
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -148,6 +152,21 @@ def heavy_imports(edges, externals, torch_free: set[str]) -> list[str]:
     return sorted(bad)
 
 
+DESIGNS = ("v0", "v1", "radix")     # memory/'s designs: one folder each
+
+
+def cross_design_edges(edges: dict[str, set[str]], package: str,
+                       designs: tuple[str, ...] = DESIGNS) -> list[str]:
+    """Imports from one design folder of ``package`` (e.g. ``course_lib.memory``) into
+    another design folder of it."""
+    def design(mod: str) -> str | None:
+        rest = mod[len(package) + 1:].split(".") if mod.startswith(package + ".") else []
+        return rest[0] if rest and rest[0] in designs and len(rest) > 1 else None
+
+    return sorted(f"{mod} -> {target}" for mod, targets in edges.items() for target in targets
+                  if design(mod) and design(target) and design(mod) != design(target))
+
+
 # ------------------------------------------------------------------ the detectors trip
 def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
     root = tmp_path / "pkg"
@@ -185,6 +204,21 @@ def test_detectors_trip_on_a_package_that_breaks_each_rule(tmp_path) -> None:
     assert find_cycle(edges) is None
 
 
+def test_the_design_detector_trips_on_one_design_importing_another(tmp_path) -> None:
+    root = write_package(tmp_path, {
+        "__init__.py": "",
+        "memory/__init__.py": "",
+        "memory/common.py": "",
+        "memory/v0/__init__.py": "",
+        "memory/v0/manager.py": "from ..common import x\n",
+        "memory/v1/__init__.py": "",
+        "memory/v1/manager.py": "from ..v0.manager import BlockManager\nfrom ..common import y\n",
+    })
+    edges, _ = import_graph(root)
+    assert cross_design_edges(edges, "pkg.memory") == [
+        "pkg.memory.v1.manager -> pkg.memory.v0.manager"]
+
+
 # ------------------------------------------------------------------- course_lib obeys
 @pytest.fixture(scope="module")
 def graph():
@@ -210,7 +244,63 @@ def test_memory_and_scheduler_import_no_torch(graph) -> None:
     assert externals["course_lib.engine.model_runner"] & HEAVY    # the check can see torch
 
 
+def test_no_memory_design_imports_another(graph) -> None:
+    edges, _ = graph
+    designs = {m.split(".")[2] for m in edges if m.startswith("course_lib.memory.")
+               and len(m.split(".")) > 3}
+    assert designs == set(DESIGNS)                       # the detector sees every design
+    assert cross_design_edges(edges, "course_lib.memory") == []
+
+
 def test_the_package_root_holds_few_modules() -> None:
     modules = sorted(p.name for p in ROOT.glob("*.py")
                      if p.name not in ("__init__.py", "__main__.py"))
     assert len(modules) <= MAX_ROOT_MODULES, modules
+
+
+# ------------------------------------------------------ the learner's path, short and closed
+LIBRARY_DOC = ROOT.parent / "docs" / "library.md"
+PATH_FILES_MAX, PATH_LINES_MAX = 5, 1200
+
+
+def learners_path() -> list[str]:
+    """The numbered files of docs/library.md's "learner's path", in reading order."""
+    text = LIBRARY_DOC.read_text(encoding="utf-8").split("the learner's path", 1)[1]
+    return re.findall(r"^\d+\. `(course_lib/[\w/]+\.py)`", text, flags=re.M)
+
+
+def test_the_block_managers_path_is_five_short_files_that_import_nothing_else(graph) -> None:
+    """Allocate / append / free with prefix caching in the paper's design reads in at most 5
+    files and about 1,100 lines, listed in docs/library.md, and BlockManager needs no other
+    module of memory/ (what it imports from memory/ is on the path)."""
+    edges, _ = graph
+    files = learners_path()
+    assert 1 < len(files) <= PATH_FILES_MAX, files
+    lines = sum(len((ROOT.parent / f).read_text().splitlines()) for f in files)
+    assert lines <= PATH_LINES_MAX, f"the learner's path is {lines} lines"
+    on_path = {f[:-3].replace("/", ".") for f in files}
+    todo, seen = ["course_lib.memory.v0.manager"], set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        todo += [m for m in edges[mod] if m.startswith("course_lib.memory.")]
+    assert "course_lib.memory.v0.manager" in on_path
+    assert seen - {"course_lib.memory", "course_lib.memory.v0"} <= on_path, sorted(seen - on_path)
+
+
+def test_the_block_manager_chapters_point_at_exactly_the_learners_path() -> None:
+    """Chapters 03, 05, 06 and 07 send the learner into the library's block manager through
+    the files of the learner's path, and through no other file of memory/."""
+    files = set(learners_path())
+    named: set[str] = set()
+    for chapter in ("03_blocks_and_tables", "05_copy_on_write", "06_prefix_caching",
+                    "07_scheduling_and_preemption"):
+        nb = json.loads((ROOT.parent / "notebooks" / f"{chapter}.ipynb").read_text())
+        text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+        found = set(re.findall(r"course_lib/memory/[\w/]+\.py", text))
+        assert found, f"{chapter} names no file of the block manager"
+        assert found <= files, f"{chapter} names {sorted(found - files)}, not on the path"
+        named |= found
+    assert named == files, f"no chapter names {sorted(files - named)}"

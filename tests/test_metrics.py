@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.scheduler import Scheduler
 from course_lib.scheduler.metrics import Metrics, serve_metrics
+from course_lib.scheduler.scheduler import Scheduler
 from course_lib.sequence import SamplingParams
 from course_lib.sim.fake_sampler import fake_samples
 
@@ -125,7 +125,7 @@ def test_scrape_over_http_and_parse():
 def test_the_v1_design_exports_v1s_names_and_no_created_series():
     """vLLM 0.33.0's names (vllm/v1/metrics/loggers.py): kv_cache_usage_perc, per-token
     inter_token_latency, per-request request_time_per_output_token; no swap, no V0 names."""
-    from course_lib.scheduler import SchedulerV1
+    from course_lib.scheduler.v1 import SchedulerV1
 
     s = SchedulerV1(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64),
                     CacheConfig(block_size=4, num_gpu_blocks=16, watermark=0.0,

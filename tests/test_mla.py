@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from course_lib import capacity as cap
 from course_lib.parallel import mla
 from course_lib.parallel.merge import merge_partials, split_ranges
+from course_lib.sizing.models import get_preset
 
 pytestmark = pytest.mark.ch09
 
-V3 = cap.get_preset("deepseek-v3")
+V3 = get_preset("deepseek-v3")
 
 
 def test_deepseek_v3_latent_is_61_x_1152_bytes_per_token():
@@ -24,10 +25,10 @@ def test_deepseek_v3_latent_is_61_x_1152_bytes_per_token():
 def test_tp_does_not_shrink_mla_but_shrinks_gqa():
     by_tp = mla.cache_bytes_by_tp(V3, [1, 2, 4, 8, 16])
     assert set(by_tp.values()) == {70_272}
-    gqa = mla.cache_bytes_by_tp(cap.get_preset("llama-3-70b"), [1, 2, 4, 8])
+    gqa = mla.cache_bytes_by_tp(get_preset("llama-3-70b"), [1, 2, 4, 8])
     assert gqa == {1: 327_680, 2: 163_840, 4: 81_920, 8: 40_960}
     with pytest.raises(ValueError, match="not MLA"):
-        mla.latent_bytes_per_token(cap.get_preset("llama-3-8b"))
+        mla.latent_bytes_per_token(get_preset("llama-3-8b"))
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         mla.latent_bytes_per_token(V3, 3)
 

@@ -11,20 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from course_lib.model import (
-    BOS_ID,
-    EOS_ID,
-    AttentionMetadata,
-    ByteTokenizer,
-    ModelConfig,
-    TinyLlama,
-    allocate_kv_caches,
-    generate_contiguous,
-    heldout_text,
-    load_metadata,
-    load_tiny_model,
-    make_attention_metadata,
-)
+from course_lib.model.attention import AttentionMetadata, make_attention_metadata
+from course_lib.model.config import ModelConfig
+from course_lib.model.generate import generate_contiguous
+from course_lib.model.llama import TinyLlama, allocate_kv_caches
+from course_lib.model.loader import heldout_text, load_metadata, load_tiny_model
+from course_lib.model.tokenizer import BOS_ID, EOS_ID, ByteTokenizer
+from course_lib.sizing.units import cdiv
 
 pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)
@@ -145,7 +138,7 @@ class PagedBatch:
                  seed: int, impl: str) -> None:
         self.model, self.block_size, self.impl = model, block_size, impl
         self.device = next(model.parameters()).device
-        per_seq = -(-max_len // block_size)
+        per_seq = cdiv(max_len, block_size)
         num_blocks = per_seq * num_seqs + 3  # a few blocks never used
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables = [perm[s * per_seq:(s + 1) * per_seq] for s in range(num_seqs)]

@@ -3,7 +3,8 @@
 nbval (run by `make test`) re-executes each notebook and compares outputs; these checks catch
 what it cannot: a cell never run (nbval skips it), outputs silenced wholesale, a chapter
 missing from the README, a first cell that does not say which backend it ran on, a compared
-output that names the backend (nbval would then fail on another machine).
+output that names the backend or prints a float's rounding residue (nbval would then fail on
+another machine).
 """
 
 from __future__ import annotations
@@ -92,6 +93,44 @@ def test_the_backend_name_detector_trips():
                     cell("x", "tensor([1.], device='cuda:0')"),
                     cell("# NBVAL_IGNORE_OUTPUT\nprint(BACKEND.name)", "torch-reference\n")]}
     assert backend_names_in_compared_outputs(nb) == ["triton-interpreter", "device='cuda"]
+
+
+# A float printed in scientific notation far below 1 (an error such as 5.6e-16) is rounding
+# noise: its digits change with the CPU's vector kernels (ATEN_CPU_CAPABILITY), so a compared
+# output must print it against a tolerance instead ("max |a - b| < 1e-12: True"). A measured
+# value is printed with a fraction (5.6e-16); a tolerance written by hand has none (1e-12).
+ROUNDING_RESIDUE = re.compile(r"\b\d\.\d+e-(?:0?[6-9]|[1-9]\d)\b", re.IGNORECASE)
+
+
+def rounding_residues_in_compared_outputs(nb: dict) -> list[str]:
+    """Tiny floats (<= 1e-6, scientific notation) in the outputs nbval compares."""
+    found = []
+    for cell in code_cells(nb):
+        if IGNORED.search("".join(cell["source"])):
+            continue
+        for out in cell["outputs"]:
+            text = "".join(out.get("text", [])) + "".join(
+                out.get("data", {}).get("text/plain", []))
+            found += ROUNDING_RESIDUE.findall(text)
+    return found
+
+
+def test_no_compared_output_prints_a_rounding_residue(notebook):
+    _, nb = notebook
+    assert rounding_residues_in_compared_outputs(nb) == [], \
+        "print float errors against a tolerance: their last digits differ from CPU to CPU"
+
+
+def test_the_rounding_residue_detector_trips():
+    def cell(source: str, text: str) -> dict:
+        return {"cell_type": "code", "source": [source],
+                "outputs": [{"output_type": "stream", "name": "stdout", "text": [text]}]}
+
+    nb = {"cells": [cell("print(err)", "max |merged - full| = 5.6e-16\n"),   # chapter 09, once
+                    cell("print(x)", "tensor([1.0000e+00, 2.2204E-16])"),
+                    cell("print(tol)", "fp32 tolerance 1e-4, error < 1e-12: True\n"),
+                    cell("# NBVAL_IGNORE_OUTPUT\nprint(err)", "4.4e-16\n")]}
+    assert rounding_residues_in_compared_outputs(nb) == ["5.6e-16", "2.2204E-16"]
 
 
 def test_outputs_were_stored_from_one_clean_top_to_bottom_run(notebook):

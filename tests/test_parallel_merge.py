@@ -7,13 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from course_lib.kernels.reference import dense_attention
-from course_lib.parallel.merge import (
-    merge_attn_states,
-    merge_partials,
-    partial_attention,
-    split_ranges,
-)
+from course_lib.kernels.reference import dense_attention, merge_attn_states
+from course_lib.parallel.merge import merge_partials, partial_attention, split_ranges
 
 pytestmark = pytest.mark.ch09
 

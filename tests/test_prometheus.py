@@ -142,7 +142,7 @@ def test_a_real_prometheus_reads_the_engines_values_under_vllms_names() -> None:
     from prometheus_client import start_http_server
 
     from course_lib.config import CacheConfig, SchedulerConfig
-    from course_lib.engine import LLMEngine
+    from course_lib.engine.llm_engine import LLMEngine
     from course_lib.engine.workloads import model_trace
     from course_lib.sequence import SamplingParams
 

@@ -8,7 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from course_lib.memory.radix_cache import RadixCache, SlotPool
+from course_lib.memory.radix.allocator import SlotPool
+from course_lib.memory.radix.radix_cache import RadixCache
 
 pytestmark = pytest.mark.ch06
 

@@ -11,9 +11,10 @@ from hypothesis.stateful import initialize
 from test_kv_cache_manager import KVCacheManagerMachine
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.memory import RadixKVCacheManager
-from course_lib.memory.radix_kv_cache_manager import BlockSlotPool
-from course_lib.scheduler import Scheduler, SchedulerV1
+from course_lib.memory.radix.allocator import BlockSlotPool
+from course_lib.memory.radix.kv_cache_manager import RadixKVCacheManager
+from course_lib.scheduler.scheduler import Scheduler
+from course_lib.scheduler.v1 import SchedulerV1
 
 pytestmark = pytest.mark.ch12
 BS = 4
@@ -53,6 +54,7 @@ def test_hits_are_whole_blocks_of_equal_tokens_never_the_last_token():
     assert admit(m, 2, toks(8)) == 4                   # 8 tokens: the last block recomputed
     assert admit(m, 3, toks(4) + [99] * 6) == 4        # diverges inside block 1
     assert admit(m, 4, toks(9), salt="tenant") == 0    # another namespace
+    assert admit(m, 5, toks(9), salt="") == 8          # an empty salt is no salt (SGLang's)
     m.free(0)
     assert m.usage().num_cached_free_blocks == 0       # still locked by seqs 1-3
 

@@ -3,10 +3,13 @@ victim policy, recompute and swap preemption, copy-on-write, parallel sampling, 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.scheduler import Scheduler, longest_first
+from course_lib.scheduler.policy import longest_first
+from course_lib.scheduler.scheduler import Scheduler
 from course_lib.sequence import SamplingParams, SequenceStatus
 from course_lib.sim.fake_sampler import expected_tokens, fake_sample, fake_samples
 
@@ -52,6 +55,16 @@ def test_config_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048,
                         enable_chunked_prefill=False)
+
+
+@pytest.mark.parametrize("bad", [12, 0, 512, 16.0, True])
+def test_cache_config_block_size_is_a_power_of_two_up_to_256(bad):
+    with pytest.raises(ValueError, match=re.escape(
+            f"block_size must be a power of two in [1, 256], got {bad!r}")):
+        CacheConfig(block_size=bad)
+    with pytest.raises(ValueError, match="prefix_cache"):
+        CacheConfig(prefix_cache="trie")
+    assert CacheConfig(block_size=256).block_size == 256
 
 
 def test_budgets_are_respected_every_step():
@@ -388,7 +401,7 @@ def test_stop_token_ids_must_be_token_ids():
 def test_output_processor_needs_only_the_block_manager_ids_and_max_model_len():
     """apply_samples takes explicit arguments, no scheduler: the prompt forks into n samples
     that share its blocks, each named by ``new_seq_id``, and a sample stops at max_model_len."""
-    from course_lib.memory import BlockManager
+    from course_lib.memory.v0.manager import BlockManager
     from course_lib.scheduler.output import ScheduledSeq
     from course_lib.scheduler.output_processor import apply_samples
     from course_lib.sequence import Request, Sequence

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from test_scheduler import reference_beam_search
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.memory import cdiv
-from course_lib.scheduler import Scheduler
+from course_lib.scheduler.scheduler import Scheduler
 from course_lib.sequence import SamplingParams, SequenceStatus
 from course_lib.sim.fake_sampler import expected_tokens, fake_samples
+from course_lib.sizing.units import cdiv
 
 pytestmark = pytest.mark.ch07
 

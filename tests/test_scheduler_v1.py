@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.scheduler import Scheduler, SchedulerV1
+from course_lib.scheduler.scheduler import Scheduler
+from course_lib.scheduler.v1 import SchedulerV1
 from course_lib.sequence import SamplingParams, SequenceStatus
 from course_lib.sim.fake_sampler import expected_tokens, fake_samples
 
@@ -84,6 +85,11 @@ def test_a_short_pool_preempts_the_latest_by_recompute_and_the_tokens_are_unchan
     assert all(not o.blocks_to_copy and not o.blocks_to_swap_out for o in outs)
     for r in reqs:
         assert r.outputs() == [expected_tokens(r.prompt_token_ids, r.request_id, 0, 12)]
+    # vLLM's PrefixCacheStats.record: a re-admission after a preemption is counted apart,
+    # so vllm:prefix_cache_queries counts each request's first lookup only
+    kvm = s.kv_cache_manager
+    assert kvm.prefix_cache_stats.queries == sum(len(r.prompt_token_ids) for r in reqs)
+    assert kvm.prefix_cache_preempted_queries > 0 and not s.preempted
 
 
 def test_the_budget_is_one_token_budget_and_chunks_are_the_normal_case():

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB, KiB, MiB
 from course_lib.claims import sources as sa
+from course_lib.claims.sources_claim import SOURCES, VERDICTS, SourceClaim, cite
+from course_lib.sizing.models import PRESETS, get_preset
+from course_lib.sizing.units import GiB, KiB, MiB
 
 # The articles' text, where a checkout has it (learners do not need it).
 ARTICLES_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "seeds"
@@ -105,20 +107,20 @@ def test_keys_and_claims_unique():
 
 
 def test_every_source_article_is_audited():
-    assert {c.source for c in sa.audit()} == set(sa.SOURCES)
+    assert {c.source for c in sa.audit()} == set(SOURCES)
 
 
 @pytest.mark.skipif(not ARTICLES_DIR.is_dir(), reason="source articles not checked out here")
 def test_source_files_exist():
-    for number in sa.SOURCES:
+    for number in SOURCES:
         assert len(list(ARTICLES_DIR.glob(f"{number}_*.txt"))) == 1, number
 
 
 def test_cite_names_the_article_by_title():
-    assert sa.cite("003", "§2.1") == '"PagedAttention explained" §2.1'
-    assert sa.cite("001") == '"Memory optimization"'
+    assert cite("003", "§2.1") == '"PagedAttention explained" §2.1'
+    assert cite("001") == '"Memory optimization"'
     with pytest.raises(ValueError, match="source must be one of"):
-        sa.cite("002")
+        cite("002")
 
 
 def test_verdicts_match_the_gap():
@@ -138,7 +140,7 @@ def test_verdicts_match_the_gap():
 
 
 def test_some_of_each_verdict():
-    counts = {v: sum(c.verdict == v for c in sa.audit()) for v in sa.VERDICTS}
+    counts = {v: sum(c.verdict == v for c in sa.audit()) for v in VERDICTS}
     assert counts["wrong"] >= 15 and counts["ok"] >= 15
     assert counts["approx"] >= 3 and counts["unit"] >= 1
 
@@ -146,7 +148,7 @@ def test_some_of_each_verdict():
 def test_printed_outputs_match_32_kv_heads(claims):
     # The article (003 §1) printed 5.00 and 2.00 GB: 4x the formula, 32 KV heads, not 8.
     for key, name in [("003-1-70b-printed", "llama-2-70b"), ("003-1-8b-printed", "llama-3-8b")]:
-        spec = dataclasses.replace(cap.get_preset(name), num_kv_heads=32)
+        spec = dataclasses.replace(get_preset(name), num_kv_heads=32)
         assert cap.contiguous_kv_bytes(spec, 4096) / GiB == claims[key].source_value
         assert claims[key].source_value == 4 * claims[key].course_value
 
@@ -161,8 +163,8 @@ def test_article_003_73_printed_lines_forget_block_size(claims):
 def test_course_values_are_computed_live(monkeypatch):
     # Make Llama-3-8B's cache FP32: every claim about it must double, if computed live.
     before = {c.key: c.course_value for c in sa.audit()}
-    fp32 = dataclasses.replace(cap.PRESETS["llama-3-8b"], dtype_bytes=4)
-    monkeypatch.setitem(cap.PRESETS, "llama-3-8b", fp32)
+    fp32 = dataclasses.replace(PRESETS["llama-3-8b"], dtype_bytes=4)
+    monkeypatch.setitem(PRESETS, "llama-3-8b", fp32)
     after = {c.key: c.course_value for c in sa.audit()}
     assert after["003-4.2-block"] == 2 * before["003-4.2-block"]
     assert after["003-1-8b-printed"] == 2 * before["003-1-8b-printed"]
@@ -184,6 +186,6 @@ def test_audit_table_rows(claims):
 
 def test_source_claim_rejects_unknown_verdict_and_source():
     with pytest.raises(ValueError, match="verdict must be one of"):
-        sa.SourceClaim("000", "§1", "x", 1.0, "B", 1.0, "maybe", "")
+        SourceClaim("000", "§1", "x", 1.0, "B", 1.0, "maybe", "")
     with pytest.raises(ValueError, match="source must be one of"):
-        sa.SourceClaim("999", "§1", "x", 1.0, "B", 1.0, "ok", "")
+        SourceClaim("999", "§1", "x", 1.0, "B", 1.0, "ok", "")

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from course_lib.sim import static as ss
 from course_lib.sim.traces import TraceRequest, sharegpt_like
+from course_lib.sizing.units import next_power_of_two
 
 pytestmark = pytest.mark.ch02
 
@@ -56,8 +57,12 @@ def test_first_fit_random_ops_keep_invariants(ops):
 
 
 def test_reservation_policies():
-    assert [ss.next_power_of_two(n) for n in (1, 2, 3, 4, 5, 1000, 1024, 1025)] == \
+    assert [next_power_of_two(n) for n in (1, 2, 3, 4, 5, 1000, 1024, 1025)] == \
         [1, 2, 4, 4, 8, 1024, 1024, 2048]
+    assert next_power_of_two(np.int64(300)) == 512               # a trace's numpy lengths
+    for bad in (0, -4, 2.0, True):
+        with pytest.raises(ValueError, match="n must be an int >= 1"):
+            next_power_of_two(bad)
     assert ss.reservation("max", 300) == 2048
     assert ss.reservation("pow2", 300) == 512
     assert ss.reservation("pow2", 1500, max_model_len=1800) == 1800

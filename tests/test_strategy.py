@@ -7,16 +7,20 @@ import pytest
 from course_lib import capacity as cap
 from course_lib.parallel import dcp, strategy
 from course_lib.parallel.cp_decode import CPCase
+from course_lib.parallel.decision_tree import ADVICE, recommend
+from course_lib.parallel.deployment import article_case, plan
+from course_lib.sizing.models import get_preset
+from course_lib.sizing.units import H200_MEMORY_GIB, format_bytes
 
 pytestmark = pytest.mark.ch09
 
-V3 = cap.get_preset("deepseek-v3")
-L70 = cap.get_preset("llama-3-70b")
-H200 = cap.H200_MEMORY_GIB
+V3 = get_preset("deepseek-v3")
+L70 = get_preset("llama-3-70b")
+H200 = H200_MEMORY_GIB
 
 
 def test_article_case_52k_per_gpu_208k_with_cp4():
-    p = strategy.article_case()
+    p = article_case()
     assert (p.num_gpus, p.data_parallel_size) == (8, 1)
     assert p.block_bytes == 16 * 61 * 1152
     assert p.tokens_per_gpu == 3258 * 16 == 52_128
@@ -30,31 +34,31 @@ def test_article_case_52k_per_gpu_208k_with_cp4():
 
 
 def test_article_case_pool_is_labelled_as_given_and_memory_refuses_it():
-    p = strategy.article_case()
+    p = article_case()
     assert p.blocks_given and p.available_kv_bytes == 3258 * p.block_bytes
     # 80 GiB x 0.9 = 72 GiB minus 671e9 B / 8 of FP8 weights: -6.11 GiB
     assert p.memory_budget_bytes == round(80 * 2**30 * 0.9) - round(671e9 / 8)
-    assert cap.format_bytes(p.memory_budget_bytes) == "-6.11 GiB"
+    assert format_bytes(p.memory_budget_bytes) == "-6.11 GiB"
     assert "negative" in p.memory_error
     with pytest.raises(ValueError, match="negative"):        # chapter 08's arithmetic
         cap.plan_kv_cache(V3, 80, weight_gib=p.weight_bytes_per_gpu / 2**30)
     text = p.summary()
     assert "the article's count, not derived from memory" in text and "-6.11 GiB" in text
     assert "refuses this setup" in text
-    computed = strategy.plan(V3, H200, 2, 4)
+    computed = plan(V3, H200, 2, 4)
     assert not computed.blocks_given and computed.memory_error is None
     assert "KV budget" in computed.summary() and "memory check" not in computed.summary()
     # 208,512 tokens for one request exceed DeepSeek-V3's 163,840-token context
-    assert "163,840" in text and "163,840" not in strategy.plan(L70, 80, 2, 1).summary()
+    assert "163,840" in text and "163,840" not in plan(L70, 80, 2, 1).summary()
 
 
 def test_dcp_splits_the_latent_over_the_tp_ranks():
     d = dcp.dcp_plan(V3, H200, 8, 8)
-    base = strategy.plan(V3, H200, 8, 1)                        # same GPUs, no DCP
+    base = plan(V3, H200, 8, 1)                        # same GPUs, no DCP
     assert d.tokens_per_rank == base.tokens_per_gpu
     assert d.latent_bytes_per_token_per_rank == 61 * 576 * 2 / 8 == 8784
     assert d.max_request_tokens == 8 * base.max_request_tokens == d.total_tokens
-    cp = strategy.plan(V3, H200, 2, 4)                          # the article's layout
+    cp = plan(V3, H200, 2, 4)                          # the article's layout
     assert cp.tokens_per_gpu == d.tokens_per_rank               # MLA: same pool per GPU
     assert d.total_tokens == 2 * cp.total_tokens
     assert d.max_request_tokens == 2 * cp.max_request_tokens
@@ -82,57 +86,57 @@ def test_compare_strategies_cp_lengthens_a_request_dp_does_not():
 
 
 def test_plan_matches_capacity_and_validates():
-    p = strategy.plan(L70, 80, 4, 2)
+    p = plan(L70, 80, 4, 2)
     b = cap.plan_kv_cache(L70, 80, tensor_parallel_size=4)
     assert (p.num_gpu_blocks, p.block_bytes) == (b.num_gpu_blocks, b.block_bytes)
-    mla = strategy.plan(V3, H200, 1, 8)
+    mla = plan(V3, H200, 1, 8)
     assert mla.weight_bytes_per_gpu == round(V3.weight_bytes / 8)
-    assert strategy.plan(V3, H200, 2, 4).block_bytes == mla.block_bytes  # TP cannot shrink MLA
+    assert plan(V3, H200, 2, 4).block_bytes == mla.block_bytes  # TP cannot shrink MLA
     with pytest.raises(ValueError, match="negative"):
-        strategy.plan(V3, 80, 1, 1)                              # 671 GB of weights on one GPU
+        plan(V3, 80, 1, 1)                              # 671 GB of weights on one GPU
     with pytest.raises(ValueError, match="multiple of TP x CP"):
-        strategy.plan(L70, 80, 2, 2, num_gpus=6)
+        plan(L70, 80, 2, 2, num_gpus=6)
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
-        strategy.plan(L70, 80, 3, 1)
+        plan(L70, 80, 3, 1)
 
 
 def test_decision_tree_mla_goes_to_dp_attention_plus_cp():
-    r = strategy.recommend(V3, 2_000_000, H200)
+    r = recommend(V3, 2_000_000, H200)
     assert r.path[0].endswith("yes") and r.path[1].endswith("no")
-    assert r.advice == strategy.ADVICE["mla+cp"]
+    assert r.advice == ADVICE["mla+cp"]
     assert r.plan.tensor_parallel_size == 1 and r.plan.context_parallel_size == 4
     assert r.plan.max_request_tokens >= 2_000_000
     assert r.beyond_model_context and "recommended plan:" in str(r)   # 2M > 163,840
-    smaller = strategy.plan(V3, H200, 1, 2, num_gpus=8, gpu_memory_utilization=0.95)
+    smaller = plan(V3, H200, 1, 2, num_gpus=8, gpu_memory_utilization=0.95)
     assert smaller.max_request_tokens < 2_000_000               # CP=2 really was too small
 
 
 def test_decision_tree_gqa_tp_first_then_cp():
-    short = strategy.recommend(L70, 200_000, 80)
-    assert short.advice == strategy.ADVICE["util"] and short.plan.context_parallel_size == 1
+    short = recommend(L70, 200_000, 80)
+    assert short.advice == ADVICE["util"] and short.plan.context_parallel_size == 1
     assert short.plan.tensor_parallel_size == 4                  # TP=2 holds only ~41K
-    assert strategy.plan(L70, 80, 2, 1, gpu_memory_utilization=0.95).max_request_tokens \
+    assert plan(L70, 80, 2, 1, gpu_memory_utilization=0.95).max_request_tokens \
         < 200_000
-    long = strategy.recommend(L70, 2_000_000, 80, max_gpus=16)
-    assert long.path[1].endswith("no") and long.advice == strategy.ADVICE["gqa+cp"]
+    long = recommend(L70, 2_000_000, 80, max_gpus=16)
+    assert long.path[1].endswith("no") and long.advice == ADVICE["gqa+cp"]
     assert (long.plan.tensor_parallel_size, long.plan.context_parallel_size) == (8, 2)
     assert long.plan.max_request_tokens >= 2_000_000
-    assert strategy.recommend(L70, 2_000_000, 80, max_gpus=8).plan is None
-    assert strategy.recommend(L70, 100_000_000, 80).plan is None
+    assert recommend(L70, 2_000_000, 80, max_gpus=8).plan is None
+    assert recommend(L70, 100_000_000, 80).plan is None
     with pytest.raises(ValueError, match="power of two"):
-        strategy.recommend(L70, 1000, 80, max_gpus=6)
+        recommend(L70, 1000, 80, max_gpus=6)
 
 
 def test_requests_longer_than_the_models_context_are_flagged():
-    l7 = cap.get_preset("llama-2-7b")
-    far = strategy.recommend(l7, 2_000_000, H200)
+    l7 = get_preset("llama-2-7b")
+    far = recommend(l7, 2_000_000, H200)
     assert far.model_context == 4096 and far.beyond_model_context
     assert "longer than the model's context (4,096" in str(far)
     assert "vLLM refuses it" in str(far)
-    within = strategy.recommend(l7, 4096, 24)
+    within = recommend(l7, 4096, 24)
     assert not within.beyond_model_context and "!" not in str(within)
-    assert not strategy.recommend(V3, 163_840, H200).beyond_model_context
-    assert strategy.recommend(V3, 163_841, H200).beyond_model_context
+    assert not recommend(V3, 163_840, H200).beyond_model_context
+    assert recommend(V3, 163_841, H200).beyond_model_context
 
 
 def test_explorer_reacts_to_values():
@@ -188,6 +192,6 @@ def test_figures_draw():
     assert len(fig.axes[0].patches) == 8 and len(fig.axes[0].texts) == 4 + 2 + 3
     with pytest.raises(ValueError, match="cp_size"):
         viz.draw_decode_flow(0)
-    fig = viz.draw_plan(strategy.article_case(), 200_000)
+    fig = viz.draw_plan(article_case(), 200_000)
     assert "fits" in fig.axes[0].get_title() and "refuses" in fig.axes[0].get_title()
-    assert viz.draw_plan(strategy.article_case(), 100_000).axes[0].get_title().endswith("fits")
+    assert viz.draw_plan(article_case(), 100_000).axes[0].get_title().endswith("fits")

@@ -6,18 +6,10 @@ import pytest
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from course_lib.memory import BlockManager
-from course_lib.viz.blocks import (
-    CACHED,
-    FREE,
-    HELD,
-    SHARED,
-    draw_pool_and_tables,
-    draw_static_vs_paged,
-    figure_png,
-    pool_view,
-    view_from_tables,
-)
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.viz.block_views import CACHED, FREE, HELD, SHARED, pool_view, view_from_tables
+from course_lib.viz.blocks import draw_pool_and_tables, draw_static_vs_paged
+from course_lib.viz.readable import figure_png
 
 pytestmark = pytest.mark.ch03
 
@@ -77,11 +69,11 @@ def test_drawing_has_a_cell_per_block_and_entry_and_follows_state():
     table_ax, pool_ax = fig.axes
     assert len(pool_ax.patches) == m.num_gpu_blocks
     assert len(table_ax.patches) == 10                    # 5 entries in each of 2 tables
-    before = figure_png(fig)
+    before = figure_png(fig, 80)
     m.free(0)
-    after = figure_png(draw_pool_and_tables(m, arrows=True, show_tokens=True))
+    after = figure_png(draw_pool_and_tables(m, arrows=True, show_tokens=True), 80)
     assert before[:8] == b"\x89PNG\r\n\x1a\n" and before != after
-    assert figure_png(draw_pool_and_tables(m, arrows=True, show_tokens=True)) == after
+    assert figure_png(draw_pool_and_tables(m, arrows=True, show_tokens=True), 80) == after
 
 
 def test_static_vs_paged_draws_the_seed_picture_and_checks_input():

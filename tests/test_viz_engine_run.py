@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.engine import LLMEngine
+from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import model_trace, run_trace
-from course_lib.model import load_tiny_model
+from course_lib.model.loader import load_tiny_model
 from course_lib.sequence import SamplingParams
-from course_lib.viz.blocks import MAX_WIDTH_IN, MIN_FONT_PT, shown_font_pt
 from course_lib.viz.engine_run import PREEMPT, RunLog, draw_run
+from course_lib.viz.readable import MAX_WIDTH_IN, MIN_FONT_PT, shown_font_pt
 
 pytestmark = pytest.mark.ch11
 

@@ -79,8 +79,8 @@ def test_prefix_cache_explorer_opens_with_nothing_submitted():
 
 @pytest.mark.ch08
 def test_capacity_explorer_opens_at_its_default_state():
-    from course_lib import capacity as cap
-    from course_lib.viz.capacity import ExplorerState
+    from course_lib.sizing.models import get_preset
+    from course_lib.viz.capacity_explorer import ExplorerState
 
     path = NOTEBOOKS / "08_capacity_planning.ipynb"
     state = widget_state(path)
@@ -88,4 +88,4 @@ def test_capacity_explorer_opens_at_its_default_state():
               if m["model_name"] == "DropdownModel" and m["state"].get("description") == "model"]
     assert models
     labels = [m["_options_labels"][m["index"]] for m in models]
-    assert labels == [cap.get_preset(ExplorerState().preset).name]
+    assert labels == [get_preset(ExplorerState().preset).name]

@@ -14,24 +14,21 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 from course_lib.sim.replay import replay
 from course_lib.sim.traces import sharegpt_like
 from course_lib.viz import timeline
-from course_lib.viz.blocks import (
+from course_lib.viz.block_views import pool_view, view_from_tables
+from course_lib.viz.blocks import _short, draw_pool_and_tables, layout
+from course_lib.viz.explorer import BlockTableExplorer, PrefixCacheExplorer, chat_prompts
+from course_lib.viz.readable import (
     EXPLORER_DPI,
     MAX_WIDTH_IN,
     MIN_FONT_PT,
-    _short,
-    draw_pool_and_tables,
     figure_texts,
-    layout,
-    pool_view,
     shown_font_pt,
     text_width_in,
-    view_from_tables,
 )
-from course_lib.viz.explorer import BlockTableExplorer, PrefixCacheExplorer, chat_prompts
 
 NOTEBOOK_PX = 900          # a JupyterLab output area at 100% zoom is about 900-1000 px wide
 
@@ -128,7 +125,7 @@ def test_timeline_explorer_is_readable_and_fits():
 
 @pytest.mark.ch08
 def test_capacity_explorer_is_readable():
-    from course_lib.viz.capacity import CapacityExplorer, draw_explorer_state
+    from course_lib.viz.capacity_explorer import CapacityExplorer, draw_explorer_state
 
     e = CapacityExplorer()
     assert png_width(bytes(e.image.value)) <= NOTEBOOK_PX

@@ -1,7 +1,9 @@
 """Published numbers beside the course's own.
 
-* ``sources`` every number of the source articles recomputed with ``course_lib.capacity``
-  (``sources_claim``: the claim type and citations; ``sources_000/001/003``: one article each)
+* ``sources`` every number of the source articles recomputed with ``course_lib.capacity``:
+  ``audit`` and ``audit_table`` gather the claims of ``sources_000``, ``sources_001`` and
+  ``sources_003`` (one article each)
+* ``sources_claim`` the claim type (``SourceClaim``), the articles (``SOURCES``), ``cite``
 * ``paper``   the vLLM paper's (SOSP'23) memory and throughput figures beside our simulations
 * ``tuning``  the source articles' tuning table, each row replayed
 

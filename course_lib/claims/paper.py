@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from course_lib import capacity as cap
-from course_lib.claims.sources import cite
+from course_lib.claims.sources_claim import cite
 from course_lib.sim.static import POLICIES, MemoryTimeline, simulate_paged, simulate_static
 from course_lib.sim.traces import TraceRequest
+from course_lib.sizing.models import ModelSpec
 
 # The vLLM paper's Fig. 2 setting: OPT-13B on one A100-40GB. num_params is approximate.
-OPT_13B = cap.ModelSpec("OPT-13B", num_layers=40, num_attention_heads=40, num_kv_heads=40,
+OPT_13B = ModelSpec("OPT-13B", num_layers=40, num_attention_heads=40, num_kv_heads=40,
                         head_dim=128, num_params=12_850_000_000)
 
 

@@ -1,6 +1,6 @@
 """The "Block Manager tutorial"'s (source 000) capacity numbers, recomputed with capacity.py.
 
-One function, :func:`_source_000`, in the article's order: the 70B model's bytes per token and
+One function, :func:`source_000_claims`, in the article's order: the 70B model's bytes per token and
 per block, its per-rank pool at TP=8, DeepSeek-V3's decode traffic under context parallelism,
 its MLA blocks and the 3,258-block metric, swap space and max_model_len.
 :func:`course_lib.claims.sources.audit` gathers it with the other articles'.
@@ -9,14 +9,16 @@ its MLA blocks and the 3,258-block metric, swap space and max_model_len.
 from __future__ import annotations
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB, KiB, MiB
-from course_lib.capacity import format_bytes as fb
 from course_lib.claims.sources_claim import NO_NUMBER, Sheet, SourceClaim
+from course_lib.sizing.blocks import num_cpu_blocks, num_gpu_blocks, tokens_that_fit
+from course_lib.sizing.models import get_preset
+from course_lib.sizing.units import GiB, KiB, MiB
+from course_lib.sizing.units import format_bytes as fb
 
 
-def _source_000() -> list[SourceClaim]:
+def source_000_claims() -> list[SourceClaim]:
     s = Sheet("000")
-    m70 = cap.get_preset("llama-3-70b")  # "a typical 70B": Llama-2/3-70B share this geometry
+    m70 = get_preset("llama-3-70b")  # "a typical 70B": Llama-2/3-70B share this geometry
     tok = cap.kv_bytes_per_token(m70)
     s.add("000-1.2-per-token", "§1.2", "70B (80 layers, 8 KV heads, head_dim 128, FP16): "
           "80 x 2 x 8 x 128 x 2 = 327,680 B per token, ~320 KB", 327_680, "B", tok, "ok",
@@ -49,8 +51,8 @@ def _source_000() -> list[SourceClaim]:
           "16 x 80 x 2 x 1 x 128 x 2 = 655,360 B ~ 640 KB", 655_360, "B", b.block_bytes, "ok",
           f"8 KV heads over 8 ranks leave {cap.kv_heads_per_rank(m70, 8)} per rank: "
           f"{b.block_bytes:,} B = {fb(b.block_bytes)}.")
-    fifty = cap.num_gpu_blocks(50 * GiB, b.block_bytes)
-    decimal = cap.num_gpu_blocks(51 * 10**9, b.block_bytes)
+    fifty = num_gpu_blocks(50 * GiB, b.block_bytes)
+    decimal = num_gpu_blocks(51 * 10**9, b.block_bytes)
     s.add("000-4.3-num-blocks", "§4.3", "num_blocks = 51 GB / 640 KB ~ 81,920", 81_920, "blocks",
           b.num_gpu_blocks, "approx",
           f"51 GiB / 640 KiB = {b.available_kv_bytes / b.block_bytes:,.1f}, floored to "
@@ -60,7 +62,7 @@ def _source_000() -> list[SourceClaim]:
           b.num_gpu_tokens, "approx", f"{b.num_gpu_blocks:,} x 16 = {b.num_gpu_tokens:,}; "
           "still about 1.3M, so rounding hides the 1 GiB slip above.")
 
-    v3 = cap.get_preset("deepseek-v3")
+    v3 = get_preset("deepseek-v3")
     ctx = cap.context_parallel_capacity(3258, 16, 4)
     comm = cap.decode_comm_bytes(v3, ctx, 4)
     plain_q = v3.num_attention_heads * v3.head_dim * v3.dtype_bytes
@@ -91,12 +93,12 @@ def _source_000() -> list[SourceClaim]:
     s.add("000-9-block", "§9", "MLA block: 16 x 61 x 1152 B ~ 1.07 MB", 1.07, "MiB", blk3 / MiB,
           "ok", f"{blk3:,} B = {fb(blk3)}.")
     s.add("000-9-tokens", "§9", "3,258 GPU KV blocks x 16 = 52,128 tokens", 52_128, "tokens",
-          cap.tokens_that_fit(3258, 16), "ok", "vLLM logs this as the GPU KV cache size.")
+          tokens_that_fit(3258, 16), "ok", "vLLM logs this as the GPU KV cache size.")
     s.add("000-9-cp", "§9", "52K x 4 (CP=4) = 208K tokens", 208_000, "tokens", ctx, "ok",
           f"3,258 x 16 x 4 = {ctx:,}: each context-parallel rank holds a different quarter "
           "of the sequence in its own pool.")
-    fit = cap.num_gpu_blocks(round(3.5 * GiB), blk3)
-    fit_dec = cap.num_gpu_blocks(round(3.5e9), blk3)
+    fit = num_gpu_blocks(round(3.5 * GiB), blk3)
+    fit_dec = num_gpu_blocks(round(3.5e9), blk3)
     s.add("000-9-num-blocks", "§9", "3.5 GB / 1.07 MB ~ 3,258 blocks, a perfect match", 3258,
           "blocks", fit, "approx",
           f"3.5 GiB / {blk3:,} B = {fit:,} blocks (decimal 3.5 GB: {fit_dec:,}). 3,258 blocks "
@@ -113,12 +115,12 @@ def _source_000() -> list[SourceClaim]:
           "dtype_bytes", NO_NUMBER, "B", cap.kv_bytes_per_token(v3), "ok",
           f"For DeepSeek-V3: 61 x (512 + 64) x 2 = {cap.kv_bytes_per_token(v3):,} B per token, "
           f"{tok / cap.kv_bytes_per_token(v3):.1f}x less than the 70B GQA model's {tok:,} B.")
-    cpu = cap.num_cpu_blocks(4, b.block_bytes)
+    cpu = num_cpu_blocks(4, b.block_bytes)
     s.add("000-12.4-swap", "§12.4", "swap_space=4 (GB): cpu_blocks = 4 GB / block bytes",
           NO_NUMBER, "blocks", cpu, "ok",
           f"vLLM's swap_space is GiB per GPU: for the §4.3 70B rank (640 KiB blocks) "
-          f"4 GiB / 640 KiB = {cpu:,} CPU blocks ({cap.tokens_that_fit(cpu, 16):,} tokens); "
-          f"decimal 4 GB would give {cap.num_cpu_blocks(4e9 / GiB, b.block_bytes):,}.")
+          f"4 GiB / 640 KiB = {cpu:,} CPU blocks ({tokens_that_fit(cpu, 16):,} tokens); "
+          f"decimal 4 GB would give {num_cpu_blocks(4e9 / GiB, b.block_bytes):,}.")
     conc = cap.max_concurrency(3258, 16, 32768)
     s.add("000-13.1-max-model-len", "§13.1", "--max-model-len 32768 stops one request from "
           "filling the KV cache", NO_NUMBER, "x", conc, "ok",

@@ -1,6 +1,6 @@
 """The "Memory optimization" article's (source 001) capacity numbers, recomputed.
 
-One function, :func:`_source_001`: the 7B model's KV for 1,024 tokens against its weights, the
+One function, :func:`source_001_claims`: the 7B model's KV for 1,024 tokens against its weights, the
 static-vs-paged figure's utilization, and the prefix-caching case's memory with and without the
 shared system prompt. :func:`course_lib.claims.sources.audit` gathers it with the others'.
 """
@@ -8,14 +8,21 @@ shared system prompt. :func:`course_lib.claims.sources.audit` gathers it with th
 from __future__ import annotations
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB
-from course_lib.capacity import format_bytes as fb
 from course_lib.claims.sources_claim import NO_NUMBER, Sheet, SourceClaim
+from course_lib.sizing.blocks import (
+    num_blocks_for_tokens,
+    num_full_blocks,
+    paged_utilization,
+    static_utilization,
+)
+from course_lib.sizing.models import get_preset
+from course_lib.sizing.units import GiB
+from course_lib.sizing.units import format_bytes as fb
 
 
-def _source_001() -> list[SourceClaim]:
+def source_001_claims() -> list[SourceClaim]:
     s = Sheet("001")
-    m7 = cap.get_preset("llama-2-7b")
+    m7 = get_preset("llama-2-7b")
     kv = cap.contiguous_kv_bytes(m7, 1024)
     s.add("001-kv-7b", "key parameters", "7B (32 layers, 32 heads, head_dim 128, FP16), 1024 "
           "tokens: 2 x 32 x 32 x 128 x 1024 x 2 = 536 MB", 536, "MB", kv / 1e6, "ok",
@@ -29,19 +36,19 @@ def _source_001() -> list[SourceClaim]:
           f"{m7.weight_bytes // cap.kv_bytes_per_token(m7) + 1:,} tokens on, one request's cache "
           "outweighs the whole model.")
     used = [256, 512, 128]
-    static = 100 * cap.static_utilization(used, 1024)
+    static = 100 * static_utilization(used, 1024)
     s.add("001-static", "static vs paged figure", "static allocation: 1024 x 3 = 3072 slots "
           "reserved, 896 used", NO_NUMBER, "%", static, "ok",
           f"The counts are right (256 + 512 + 128 = 896 of 3,072): utilization {static:.1f}%, "
           "inside the 'often under 60%' the text mentions.")
-    paged = 100 * cap.paged_utilization(used, 16)
-    blocks = sum(cap.num_blocks_for_tokens(n, 16) for n in used)
+    paged = 100 * paged_utilization(used, 16)
+    blocks = sum(num_blocks_for_tokens(n, 16) for n in used)
     s.add("001-paged", "static vs paged figure", "paging allocates only what requests use",
           NO_NUMBER, "%", paged, "ok",
           f"With block_size 16 the three requests hold {blocks} blocks, {paged:.0f}% used, but "
           "only because 256, 512 and 128 are multiples of 16; usually each sequence's last "
           "block is part empty. The figure's 3/3/2 blocks are schematic.")
-    m8 = cap.get_preset("llama-3-8b")
+    m8 = get_preset("llama-3-8b")
     blk = cap.block_bytes(m8, 16)
     off = cap.blocks_with_shared_prefix(64, 1000, 0, 16) * blk
     exact = cap.contiguous_kv_bytes(m8, 64 * 1000)
@@ -54,6 +61,6 @@ def _source_001() -> list[SourceClaim]:
     s.add("001-prefix-on", "prefix caching case", "with prefix caching: KV ~15 GB", 15, "GiB",
           on / GiB, "wrong",
           "If each request's 1000 tokens begin with the shared 500-token system prompt, its "
-          f"{cap.num_full_blocks(500, 16)} full blocks are stored once and each request keeps "
+          f"{num_full_blocks(500, 16)} full blocks are stored once and each request keeps "
           f"the rest: {on // blk:,} blocks = {fb(on)}. 15 GB exceeds even the uncached total.")
     return s.claims

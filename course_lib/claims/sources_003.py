@@ -1,6 +1,6 @@
 """The "PagedAttention explained" article's (source 003) capacity numbers, recomputed.
 
-:func:`_source_003`, in the article's order: the 4K-token KV of a 70B and an 8B model, the
+:func:`source_003_claims`, in the article's order: the 4K-token KV of a 70B and an 8B model, the
 waste of static reservation, block counts and utilization, the §4.2 and §7.3 pool sizing, the
 shared system prompt's blocks and the MLA saving, whose MHA baseline
 :func:`mha_equivalent_kv_bytes_per_token` computes. :func:`course_lib.claims.sources.audit`
@@ -13,14 +13,23 @@ import math
 from dataclasses import replace
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB, MiB
-from course_lib.capacity import format_bytes as fb
 from course_lib.claims.sources_claim import NO_NUMBER, Sheet, SourceClaim
+from course_lib.sizing.blocks import (
+    expected_internal_waste_tokens,
+    max_internal_waste_tokens,
+    num_blocks_for_tokens,
+    num_full_blocks,
+    paged_utilization,
+    static_utilization,
+)
+from course_lib.sizing.models import ModelSpec, get_preset
+from course_lib.sizing.units import GiB, MiB
+from course_lib.sizing.units import format_bytes as fb
 
 
-def _source_003() -> list[SourceClaim]:
+def source_003_claims() -> list[SourceClaim]:
     s = Sheet("003")
-    m70 = cap.get_preset("llama-2-70b")
+    m70 = get_preset("llama-2-70b")
     kv70 = cap.contiguous_kv_bytes(m70, 4096)
     kv70_32 = cap.contiguous_kv_bytes(replace(m70, num_kv_heads=32), 4096)
     kv70_mha = cap.contiguous_kv_bytes(replace(m70, num_kv_heads=64), 4096)
@@ -34,7 +43,7 @@ def _source_003() -> list[SourceClaim]:
           f"The function shown returns {kv70:,} B = {kv70 / GiB:.2f} GiB. The printed value is "
           f"4x that, what 32 KV heads give ({kv70_32 / GiB:.2f}); the code shown did not print "
           f"it. Not MHA either: {mha70}.")
-    m8 = cap.get_preset("llama-3-8b")
+    m8 = get_preset("llama-3-8b")
     kv8 = cap.contiguous_kv_bytes(m8, 4096)
     kv8_32 = cap.contiguous_kv_bytes(replace(m8, num_kv_heads=32), 4096)
     s.add("003-1-8b-printed", "§1 code", "kv_cache_size(32, 4096, 8, 128) prints "
@@ -50,20 +59,20 @@ def _source_003() -> list[SourceClaim]:
           f"own {fb(b8.available_kv_bytes)} of KV, 40% utilization wastes {fb(waste)} and even "
           f"20% wastes {fb(b8.available_kv_bytes * 0.8)}.")
     s.add("003-3-blocks", "§3", "50 generated tokens need 4 blocks (50/16 ~ 4)", 4, "blocks",
-          cap.num_blocks_for_tokens(50, 16), "ok",
+          num_blocks_for_tokens(50, 16), "ok",
           "ceil(50 / 16) = 4: the count rounds up, the 4th block being part-filled.")
     s.add("003-3-reserved", "§3", "pre-allocating 4096 tokens takes 4096/16 = 256 blocks", 256,
-          "blocks", cap.num_blocks_for_tokens(4096, 16), "ok", "Exact: 4096 is 256 x 16.")
-    st = 100 * cap.static_utilization([50], 4096)
+          "blocks", num_blocks_for_tokens(4096, 16), "ok", "Exact: 4096 is 256 x 16.")
+    st = 100 * static_utilization([50], 4096)
     s.add("003-3-static-util", "§3", "utilization of that reservation: 1.2%", 1.2, "%", st, "ok",
           f"50 / 4096 = {st:.2f}%.")
-    pg = 100 * cap.paged_utilization([50], 16)
+    pg = 100 * paged_utilization([50], 16)
     s.add("003-3-paged-util", "§3", "with paging, utilization rises to nearly 100%", 100, "%",
           pg, "approx", f"50 tokens in 4 blocks = 64 slots: {pg:.1f}%. The last block is part "
           "empty; only long sequences come near 100%.")
-    e = {bs: cap.expected_internal_waste_tokens(bs) for bs in (8, 16, 32)}
+    e = {bs: expected_internal_waste_tokens(bs) for bs in (8, 16, 32)}
     s.add("003-4.1-waste", "§4.1", "block_size 32: the last block may waste 31 tokens", 31,
-          "tokens", cap.max_internal_waste_tokens(32), "ok",
+          "tokens", max_internal_waste_tokens(32), "ok",
           "At most block_size - 1 slots per sequence are empty; on average (block_size - 1)/2: "
           f"{e[8]} for 8, {e[16]} for 16, {e[32]} for 32.")
     usable = round(b8.total_gpu_memory_bytes * b8.gpu_memory_utilization)
@@ -89,15 +98,15 @@ def _source_003() -> list[SourceClaim]:
           "requests", c, "wrong", f"{b8.num_gpu_tokens:,} / 4096 = {c:.0f}; vLLM would log "
           f"'Maximum concurrency for 4,096 tokens per request: {c:.2f}x'.")
     s.add("003-5-shared", "§5", "a 500-token system prompt shared as Phys#0-31 (32 blocks)", 32,
-          "blocks", cap.num_full_blocks(500, 16), "wrong",
+          "blocks", num_full_blocks(500, 16), "wrong",
           "500 tokens fill 31 blocks and 4 slots of a 32nd. That 32nd block also holds the start "
           "of each user's question, so it differs per request: only 31 blocks are shared.")
-    own = cap.blocks_with_shared_prefix(1, 700, 500, 16) - cap.num_full_blocks(500, 16)
+    own = cap.blocks_with_shared_prefix(1, 700, 500, 16) - num_full_blocks(500, 16)
     s.add("003-5-private", "§5", "request B (500 + 200 tokens) owns 3 blocks, Phys#200-202", 3,
           "blocks", own, "wrong",
-          f"700 tokens need {cap.num_blocks_for_tokens(700, 16)} blocks, 31 shared, so {own} "
+          f"700 tokens need {num_blocks_for_tokens(700, 16)} blocks, 31 shared, so {own} "
           "are B's own; 3 blocks hold only 48 tokens.")
-    m3 = cap.get_preset("llama-3-70b")
+    m3 = get_preset("llama-3-70b")
     pool = cap.plan_kv_cache(m3, 320, gpu_memory_utilization=0.9, weight_gib=140)
     s.add("003-7.3-available", "§7.3", "Llama-3-70B on 4 x A100-80GB: KV available 148.0 GB",
           148, "GiB", pool.available_kv_bytes / GiB, "ok",
@@ -127,7 +136,7 @@ def _source_003() -> list[SourceClaim]:
           f"vLLM sizes each rank: TP=4 leaves {cap.kv_heads_per_rank(m3, 4)} KV heads, "
           f"{fb(rank.block_bytes)} blocks and {fb(rank.available_kv_bytes)} per rank, so "
           f"{rank.num_gpu_blocks:,} blocks per rank: the same count, since heads split evenly.")
-    v3 = cap.get_preset("deepseek-v3")
+    v3 = get_preset("deepseek-v3")
     mla, mha = cap.kv_bytes_per_token(v3), mha_equivalent_kv_bytes_per_token(v3)
     gqa = cap.kv_bytes_per_token(m3)
     s.add("003-summary-mla", "summary", "MLA's low-rank compression shrinks each block's KV "
@@ -139,7 +148,7 @@ def _source_003() -> list[SourceClaim]:
     return s.claims
 
 
-def mha_equivalent_kv_bytes_per_token(spec: cap.ModelSpec) -> int:
+def mha_equivalent_kv_bytes_per_token(spec: ModelSpec) -> int:
     """Bytes per token an MLA model would cache with plain per-head K and V (MHA), all layers.
 
     Each of its num_attention_heads heads would store a key of head_dim + qk_rope_head_dim

@@ -5,7 +5,7 @@ claim is.
 citation, :class:`SourceClaim` is one number of an article checked against the course's, and
 :class:`Sheet` collects an article's claims. The numbers themselves are recomputed one module
 per article (``sources_000``, ``sources_001``, ``sources_003``); :mod:`course_lib.claims.sources`
-gathers them and re-exports every name here.
+gathers them. Import the names here from this module.
 """
 
 from __future__ import annotations

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..config import CacheConfig, SchedulerConfig
-from ..scheduler import Scheduler, SchedulerV1
 from ..scheduler.metrics import Metrics
+from ..scheduler.scheduler import Scheduler
+from ..scheduler.v1 import SchedulerV1
 from ..sim.replay import ReplayResult, replay
 from ..sim.static import MemoryTimeline, simulate_paged, simulate_static
 from ..sim.traces import TraceRequest, few_shot, sharegpt_like
-from .sources import cite
+from .sources_claim import cite
 
 
 def symptoms(r: ReplayResult) -> dict[str, float]:
@@ -219,12 +220,14 @@ def vllm_scheduler_defaults(version: str, *, gpu_memory_gib: float, gpu_name: st
     max(max_model_len, 2048). gpu_memory_utilization 0.90, swap_space 4 GiB.
 
     0.33.0 (``EngineArgs.get_batch_defaults`` in ``vllm/engine/arg_utils.py``): chunked
-    prefill on for generative models; the budgets depend on the GPU's memory and name and on
-    the entry point: >= 160 GiB: 1024 sequences, 16384 tokens; >= 70 GiB and not an A100:
-    1024 sequences, 16384 tokens (LLM) or 8192 (serve); otherwise 256 sequences, 8192 (LLM) or
-    2048 (serve) tokens; capped at max_num_seqs x max_model_len. gpu_memory_utilization 0.92
-    (``vllm/config/cache.py``); no swap_space. Not modelled: GB10 (kept on the small tier),
-    TPUs and CPUs, ``--performance-mode throughput`` (doubles both budgets).
+    prefill on by default for generative models but encoder-decoder ones
+    (``ModelConfig.is_chunked_prefill_supported``, ``vllm/config/model.py``); the budgets
+    depend on the GPU's memory and name and on the entry point: >= 160 GiB: 1024 sequences,
+    16384 tokens; >= 70 GiB and not an A100: 1024 sequences, 16384 tokens (LLM) or 8192
+    (serve); otherwise 256 sequences, 8192 (LLM) or 2048 (serve) tokens; capped at
+    max_num_seqs x max_model_len. gpu_memory_utilization 0.92 (``vllm/config/cache.py``); no
+    swap_space. Not modelled: GB10 (kept on the small tier), TPUs and CPUs,
+    ``--performance-mode throughput`` (doubles both budgets).
     """
     if version not in VERSIONS:
         raise ValueError(f"version must be one of {VERSIONS}, got {version!r}")

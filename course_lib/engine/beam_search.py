@@ -10,10 +10,10 @@ prefix cache finds them, step after step. At the end, complete and live beams ar
 ``cumulative_logprob / num_generated ** length_penalty``
 (``vllm/entrypoints/generate/beam_search/utils.py:get_beam_search_score``).
 
-:func:`beam_search` does the same over :class:`~course_lib.engine.LLMEngine`, either design
-(the V1 design, whose core has no beam search, is the point). With ``ignore_eos=True`` it ranks
-exactly as the V0 design's beam search in the scheduler does (ties broken by content), so the
-two give the same beams.
+:func:`beam_search` does the same over :class:`~course_lib.engine.llm_engine.LLMEngine`, either
+design (the V1 design, whose core has no beam search, is the point). With ``ignore_eos=True``
+it ranks exactly as the V0 design's beam search in the scheduler does (ties broken by content),
+so the two give the same beams.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..sequence import SamplingParams
+from .inputs import prompt_token_ids
 from .llm_engine import LLMEngine
 
 
@@ -44,7 +45,7 @@ def beam_search(engine: LLMEngine, prompt: str | Sequence[int], beam_width: int,
     """The ``beam_width`` best continuations of ``prompt``, best first (see the module
     docstring). Each step runs one engine request of one token per live beam."""
     SamplingParams(max_tokens=max_tokens, beam_width=beam_width)     # the same checks
-    prompt_ids = list(engine._check_prompt(prompt))
+    prompt_ids = list(prompt_token_ids(prompt, engine.tokenizer, engine.model.config.vocab_size))
     eos = set() if ignore_eos else set(engine.stop_token_ids)
     step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * beam_width)
     beams, done = [BeamSearchSequence()], []

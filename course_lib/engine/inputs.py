@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 from dataclasses import replace
 
-from ..model import ByteTokenizer
+from ..model.tokenizer import ByteTokenizer
 from ..sequence import SamplingParams, is_int, token_ids_or_error
 
 

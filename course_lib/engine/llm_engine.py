@@ -24,10 +24,12 @@ fails at once and names itself instead of failing a step later.
 
 :meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
 
-This module is the loop: construction, requests in, :meth:`LLMEngine.step`, ``generate``. The
-checks on what comes in are in ``inputs.py``, what comes out in ``outputs.py`` (with the top-k
-``logprobs`` in ``logprobs.py``), and what follows a failed step (put back, blame, finish the
-culprit) in ``recovery.py``, mixed in.
+:class:`LLMEngine` reads top to bottom: construction, requests in, :meth:`LLMEngine.step`,
+what follows a failed step (put back, blame, finish the culprit), ``generate``. Its
+collaborators are plain functions and data in their own modules: the checks on what comes in
+(``inputs.py``), what comes out (``outputs.py``, with the top-k ``logprobs`` in
+``logprobs.py``), what a failed step puts back (``rollback.py``), the cache tensors and the
+forward pass (``model_runner.py``) and the sampler (``sampler.py``).
 """
 
 from __future__ import annotations
@@ -35,25 +37,28 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from ..config import CacheConfig, SchedulerConfig
-from ..model import EOS_ID, ByteTokenizer, TinyLlama
-from ..scheduler import ScheduledSeq, Scheduler, SchedulerOutput, SchedulerV1
+from ..model.llama import TinyLlama
+from ..model.tokenizer import EOS_ID, ByteTokenizer
 from ..scheduler.metrics import Metrics
-from ..sequence import Request, RequestFailed, SamplingParams
+from ..scheduler.output import ScheduledSeq, SchedulerOutput
+from ..scheduler.scheduler import Scheduler
+from ..scheduler.v1 import SchedulerV1
+from ..sequence import Request, RequestFailed, SamplingParams, SequenceStatus
 from .inputs import check_request_id, generate_inputs, prompt_token_ids, request_params
 from .logprobs import attach_logprobs, top_logprobs
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestOutput, request_output
-from .recovery import StepRecovery
-from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk
+from .outputs import RequestOutput, request_output
+from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk, put_back
 from .sampler import sample
 
 # ``_sample_twice`` and ``_protect`` call ``sample`` and ``blocks_at_risk`` by this module's
 # names, so that tests and ``bench/chaos.py`` can replace them here.
-__all__ = ["DESIGNS", "CompletionOutput", "LLMEngine", "RequestOutput"]
+__all__ = ["DESIGNS", "LLMEngine"]
 
 # The engine's core, by vLLM generation: "v0" is the paper's and vLLM V0's design (block
 # manager with copy-on-write and swap, prefill and decode phases); "v1" is vLLM V1's (the
@@ -62,7 +67,7 @@ __all__ = ["DESIGNS", "CompletionOutput", "LLMEngine", "RequestOutput"]
 DESIGNS = {"v0": Scheduler, "v1": SchedulerV1}
 
 
-class LLMEngine(StepRecovery):
+class LLMEngine:
     """Paged-KV serving of one model. Defaults fit the tiny model on a CPU.
 
     ``scheduler_config.max_model_len`` defaults to (and may not exceed) the model's context.
@@ -84,7 +89,7 @@ class LLMEngine(StepRecovery):
                  clock: Callable[[], float] = time.perf_counter,
                  model_name: str = "tiny-llama", design: str = "v0") -> None:
         if model is None:
-            from ..model import load_tiny_model
+            from ..model.loader import load_tiny_model
 
             model = load_tiny_model()
         context = model.config.max_position
@@ -102,8 +107,11 @@ class LLMEngine(StepRecovery):
         self.tokenizer = ByteTokenizer()
         self.scheduler = DESIGNS[design](scheduler_config, cache_config)
         self.block_manager = self.scheduler.block_manager
-        self.runner = ModelRunner(model, cache_config.block_size, cache_config.num_gpu_blocks,
-                                  self.block_manager.num_cpu_blocks, attn_impl)
+        # the runner's swap space is the block manager's CPU pool (V1's manager has none)
+        self.runner = ModelRunner(
+            model, replace(cache_config, num_cpu_blocks=self.block_manager.num_cpu_blocks),
+            attn_impl)
+        self._check_block_size()
         self.metrics = Metrics(self.scheduler, model_name)
         self.stop_token_ids = frozenset(stop_token_ids)
         self.clock = clock
@@ -114,6 +122,17 @@ class LLMEngine(StepRecovery):
         self.last_output: SchedulerOutput | None = None
         self.num_steps = 0
         self._backup = None                  # cache blocks the running step may overwrite
+
+    def _check_block_size(self) -> None:
+        """The block manager's tables and the runner's tensors must agree on a block's size
+        (dimension 1 of every ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache):
+        otherwise token ``t`` of a table lands in another slot than the one attention reads."""
+        block_size = self.block_manager.block_size
+        for cache in (c for layer in self.runner.gpu_caches for c in layer):   # K, V per layer
+            if cache.shape[1] != block_size:
+                raise ValueError(f"the block manager's block_size={block_size}, but the "
+                                 f"runner's KV cache tensors hold {cache.shape[1]} tokens per "
+                                 f"block (dimension 1 of {tuple(cache.shape)})")
 
     @property
     def num_generated_tokens(self) -> int:
@@ -231,6 +250,56 @@ class LLMEngine(StepRecovery):
         self._requests.pop(req.request_id, None)
         self._seeds.pop(req.request_id, None)
         return request_output(req, self.tokenizer)
+
+    # ---------------------------------------------------------------- after a failed step
+    # ``step`` catches the failure and calls these in this order: put everything back, find
+    # the request to blame, finish that request alone.
+    def _rollback(self, checkpoint: Checkpoint) -> None:
+        """Put the scheduler, the runner's counters and the blocks at risk back as they were
+        when ``checkpoint`` was taken."""
+        self.scheduler.restore(checkpoint.scheduler)
+        self.runner.set_counters(checkpoint.runner_counters)
+        if self._backup is not None:
+            put_back(self.runner.gpu_caches, self.runner.cpu_caches, self._backup)
+        self._backup = None
+
+    def _diagnose(self, checkpoint: Checkpoint) -> tuple[int, BaseException] | None:
+        """After a failed step (already rolled back): run it again with one forward per
+        request. A request is to blame when its forward fails alone, twice (a transient fault
+        rarely strikes twice), while another one's succeeds; if every forward fails (the
+        device, not a request) or all succeed (a transient fault), nobody is. The state is
+        rolled back again whatever happens."""
+        try:
+            out = self.scheduler.schedule()
+            self._protect(out, checkpoint)
+            self.runner.execute_cache_ops(out)
+            by_request: dict[int, list[ScheduledSeq]] = {}
+            for e in out.scheduled:
+                by_request.setdefault(e.request.request_id, []).append(e)
+            failures = []
+            for rid, entries in by_request.items():
+                for attempt in range(2):
+                    try:
+                        self.runner.execute_model(entries)
+                        break
+                    except Exception as exc:
+                        if attempt:
+                            failures.append((rid, exc))
+            return failures[0] if 0 < len(failures) < len(by_request) else None
+        except Exception:
+            return None
+        finally:
+            self._rollback(checkpoint)
+
+    def _fail_request(self, request_id: int, cause: BaseException) -> RequestOutput:
+        """Finish the request whose own work failed, alone; the others go on."""
+        req = self._requests[request_id]
+        self.scheduler.finish_request(request_id, SequenceStatus.FINISHED_ERROR,
+                                      f"failed in step {self.num_steps}: "
+                                      f"{type(cause).__name__}: {cause}")
+        req.finished_time = self.now()
+        self.metrics.update(self.scheduler)
+        return self._output(req)
 
     # ----------------------------------------------------------------------- generate
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -5,7 +5,7 @@ got a token in that step.
 
 from __future__ import annotations
 
-from ..scheduler import SchedulerOutput
+from ..scheduler.output import SchedulerOutput
 
 
 def top_logprobs(out: SchedulerOutput, logits) -> dict[int, list[tuple[int, float]]]:

@@ -6,7 +6,8 @@ The runner owns the tensors and turns their decisions into work (vLLM's ``CacheE
 
 * ``gpu_caches``: per layer ``(key_cache, value_cache)``, each ``[num_gpu_blocks, block_size,
   num_kv_heads, head_dim]`` on the model's device; ``cpu_caches``: the same shape with
-  ``num_cpu_blocks`` blocks on the CPU, the swap space.
+  ``num_cpu_blocks`` blocks on the CPU, the swap space. The three sizes come from the same
+  :class:`~course_lib.config.CacheConfig` the block manager is built from.
 * :meth:`ModelRunner.execute_cache_ops`: swap-out, swap-in, then copy-on-write copies, in
   that order (the block manager's contract: a GPU block freed by a swap-out may be handed out
   again, as a swap-in target or a copy target, in the same step).
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import CacheConfig
 from ..kernels.backends import AttentionBackend, get_attn_backend
 from ..kernels.cache_ops import swap_blocks
 from ..model.attention import AttentionMetadata, make_attention_metadata
@@ -34,10 +36,13 @@ from ..scheduler.output import ScheduledSeq, SchedulerOutput
 class ModelRunner:
     """Cache tensors + forward pass for one model (see the module docstring)."""
 
-    def __init__(self, model: TinyLlama, block_size: int, num_gpu_blocks: int,
-                 num_cpu_blocks: int = 0, attn_impl: str | AttentionBackend = "auto") -> None:
+    def __init__(self, model: TinyLlama, cache_config: CacheConfig,
+                 attn_impl: str | AttentionBackend = "auto") -> None:
+        """``cache_config``: ``block_size``, ``num_gpu_blocks`` and ``num_cpu_blocks`` (0: no
+        swap space) size the tensors; its other fields are the block manager's."""
         self.model = model
-        self.block_size = block_size
+        self.cache_config = cc = cache_config
+        self.block_size = cc.block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # the kernels, resolved once (course_lib.kernels.backends): "auto" is the compiled
@@ -45,11 +50,11 @@ class ModelRunner:
         # interpreter costs ~10 ms per token per layer just to write the cache
         self.attn = get_attn_backend(attn_impl, self.device)
         cfg = model.config
-        self.gpu_caches: list[KVCache] = allocate_kv_caches(cfg, num_gpu_blocks, block_size,
+        self.gpu_caches: list[KVCache] = allocate_kv_caches(cfg, cc.num_gpu_blocks, cc.block_size,
                                                             self.dtype, self.device)
         self.cpu_caches: list[KVCache] = (
-            allocate_kv_caches(cfg, num_cpu_blocks, block_size, self.dtype, "cpu")
-            if num_cpu_blocks else [])
+            allocate_kv_caches(cfg, cc.num_cpu_blocks, cc.block_size, self.dtype, "cpu")
+            if cc.num_cpu_blocks else [])
         self.num_swapped_blocks = 0       # out + in, for reports
         self.num_copied_blocks = 0        # copy-on-write copies
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import ByteTokenizer
+from ..model.tokenizer import ByteTokenizer
 from ..sequence import Request
 
 

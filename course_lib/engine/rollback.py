@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..memory import ManagerSnapshot
-from ..memory.pool import FREE
-from ..scheduler import SchedulerOutput
+from ..memory.common import FREE
+from ..memory.v0.manager import ManagerSnapshot
+from ..scheduler.output import SchedulerOutput
 from ..scheduler.scheduler import SchedulerSnapshot
 
 

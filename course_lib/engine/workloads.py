@@ -4,8 +4,8 @@ baseline, and the memory saved by sharing (used by ``bench/engine.py``, the CLI 
 * :func:`model_trace`: a ShareGPT-like or Alpaca-like trace whose lengths fit the model's
   256-token context (ShareGPT lengths scaled by 256 / 2048; Alpaca's already fit) and whose
   prompt tokens are bytes.
-* :func:`run_trace`: feed a trace to an :class:`~course_lib.engine.LLMEngine` at its arrival
-  times (engine clock) and run it to completion.
+* :func:`run_trace`: feed a trace to an :class:`~course_lib.engine.llm_engine.LLMEngine` at
+  its arrival times (engine clock) and run it to completion.
 * :func:`run_static`: the systems before paging -- each request reserves a contiguous cache of
   ``max_len`` slots, and requests run in static batches (a batch starts when the previous one
   has fully finished) -- with the same model and kernels, at the same KV memory.
@@ -31,11 +31,12 @@ from ..config import CacheConfig, SchedulerConfig
 from ..kernels.backends import get_attn_backend
 from ..model.attention import make_attention_metadata
 from ..model.llama import TinyLlama, allocate_kv_caches
-from ..scheduler import Scheduler
+from ..scheduler.scheduler import Scheduler
 from ..sequence import SamplingParams
 from ..sim.fake_sampler import fake_samples
 from ..sim.traces import TraceRequest, alpaca_lengths, poisson_arrivals, sharegpt_lengths
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
 
 TRACES = ("sharegpt", "alpaca")
 

@@ -21,7 +21,7 @@ import torch
 
 from course_lib.exercises import Verdict, judge_cases
 from course_lib.exercises.solutions import ch11 as solutions
-from course_lib.model import ByteTokenizer
+from course_lib.model.tokenizer import ByteTokenizer
 
 
 class _Diverged(Exception):

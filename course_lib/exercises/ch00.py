@@ -22,6 +22,7 @@ import torch
 from course_lib.device import BACKEND
 from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
 from course_lib.exercises.solutions import ch00 as solutions
+from course_lib.sizing.units import cdiv
 
 SENTINEL = -999.0   # the output buffer's tail: a store past the end overwrites it
 PAD = 256           # elements of NaN / sentinel after the inputs / the output
@@ -77,7 +78,7 @@ def _judge_leaky_relu(learner: Callable, case: tuple) -> str | None:
         i = unwritten[0]
         cause = ("was the kernel launched?" if len(unwritten) == n else
                  f"no program covers the last, partial block: the grid needs ceil(n / "
-                 f"block_size) = {-(-n // bs)} program(s)" if i >= (n // bs) * bs else
+                 f"block_size) = {cdiv(n, bs)} program(s)" if i >= (n // bs) * bs else
                  "no program wrote it")
         return f"{where}: out[{i}] was never written ({len(unwritten)} such); {cause}"
     if not torch.allclose(got, want):
@@ -109,7 +110,7 @@ def block_max_cases() -> list[tuple]:
 def _judge_block_max(learner: Callable, case: tuple) -> str | None:
     values, meta = case
     n, bs = meta["n"], meta["block_size"]
-    programs = -(-n // bs)
+    programs = cdiv(n, bs)
     x, _ = padded(values, float("inf"))    # NaN would not show: tl.max skips NaN
     out, out_buf = padded(torch.full((programs,), float("nan")), SENTINEL)
     learner(x, out, bs)
@@ -179,7 +180,7 @@ def _leaky_floor_grid(x, out, alpha, block_size):
 
 def _leaky_no_store_mask(x, out, alpha, block_size):
     n = x.numel()
-    _leaky_unmasked_store[(-(-n // block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
+    _leaky_unmasked_store[(cdiv(n, block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
 
 
 def _leaky_in_torch(x, out, alpha, block_size):

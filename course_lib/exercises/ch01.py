@@ -15,24 +15,20 @@ from collections.abc import Callable
 
 import torch
 
-from course_lib import capacity as cap
 from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
-from course_lib.exercises.ch01_batch import (  # noqa: F401 (1.3, re-exported)
-    DTYPE_BYTES,
+from course_lib.exercises.ch01_batch import (
     WRONG_IDEAS,
-    batch_cases,
     check_max_batch_size,
     reference_kv_bytes_from_config,
-    reference_max_batch_size,
-    reference_num_params,
 )
 from course_lib.exercises.solutions import ch01 as solutions
 from course_lib.kernels.reference import dense_attention
+from course_lib.sizing.models import PRESETS, ModelSpec
 
 _DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "float16"}
 
 
-def config_of(spec: cap.ModelSpec, *, drop: tuple[str, ...] = (), dtype: str = "bfloat16",
+def config_of(spec: ModelSpec, *, drop: tuple[str, ...] = (), dtype: str = "bfloat16",
               **extra) -> dict:
     """A Hugging Face style config.json (as a dict) for a preset; ``drop`` leaves keys out."""
     config = {"num_hidden_layers": spec.num_layers,
@@ -48,7 +44,7 @@ def config_of(spec: cap.ModelSpec, *, drop: tuple[str, ...] = (), dtype: str = "
 
 
 def config_cases() -> list[tuple[dict, int]]:
-    p = cap.PRESETS
+    p = PRESETS
     gemma_like = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
                   "hidden_size": 3072, "head_dim": 256, "torch_dtype": "bfloat16"}
     cases = [(config_of(s), 1) for s in p.values()]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from course_lib import capacity as cap
 from course_lib.exercises import Verdict, judge_cases, returns
+from course_lib.sizing.models import ModelSpec
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -27,7 +28,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 def reference_kv_bytes_from_config(config: dict, tensor_parallel_size: int) -> int:
     """Bytes one token adds to the cache of one rank, through course_lib.capacity."""
     heads, mla = config["num_attention_heads"], bool(config.get("kv_lora_rank"))
-    spec = cap.ModelSpec(
+    spec = ModelSpec(
         "exercise", config["num_hidden_layers"], heads,
         1 if mla else config.get("num_key_value_heads") or heads,
         config.get("head_dim") or config["hidden_size"] // heads, num_params=1,

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
 from course_lib.exercises.solutions import ch02 as solutions
-from course_lib.memory import cdiv
 from course_lib.sim.static import CATEGORIES, ContiguousAllocator, reservation
+from course_lib.sizing.units import cdiv
 
 
 def split_memory(residents: list[tuple[int, int, int]], holes: list[int],

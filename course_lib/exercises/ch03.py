@@ -20,8 +20,7 @@ from course_lib.exercises import (
     replay_ops,
     returns,
 )
-from course_lib.exercises.ch03_manager import (  # noqa: F401 (3.1, re-exported)
-    ReferenceManager,
+from course_lib.exercises.ch03_manager import (
     _ManagerDoesNothing,
     _NoNever,
     _PartialStep,
@@ -29,7 +28,9 @@ from course_lib.exercises.ch03_manager import (  # noqa: F401 (3.1, re-exported)
     check_manager,
 )
 from course_lib.exercises.solutions import ch03 as solutions
-from course_lib.memory import BlockAllocator, BlockTable
+from course_lib.memory.v0.block_table import BlockTable
+from course_lib.memory.v0.pool import BlockAllocator
+from course_lib.sizing.units import cdiv
 
 
 def step_slot_mapping(tables: dict, num_computed: dict, num_new: dict,
@@ -59,7 +60,7 @@ def slot_cases(seed: int = 4, count: int = 30) -> list[tuple]:
         tables, done, new = {}, {}, {}
         for seq in rng.sample("ABCDEFG", rng.randrange(1, 5)):
             total = rng.randrange(1, 6 * bs + 1)
-            tables[seq] = [pool.pop() for _ in range(-(-total // bs))]
+            tables[seq] = [pool.pop() for _ in range(cdiv(total, bs))]
             done[seq] = rng.randrange(0, total)
             new[seq] = rng.choice([1, total - done[seq], rng.randrange(0, total - done[seq] + 1)])
         cases.append((tables, done, new, bs))
@@ -236,7 +237,7 @@ EXERCISES = Exercises(
         "(NEVER), then with num_free - watermark_blocks (OK, else LATER).",
         "append_step: add up the extra blocks of every sequence in the step *before* taking "
         "any; if the sum exceeds num_free, return False with nothing touched. Then read "
-        "can_allocate and can_append_slots in course_lib/memory/manager.py.",
+        "can_allocate and can_append_slots in course_lib/memory/v0/manager.py.",
     ), solution=solutions.ToyManager, wrong=(_PartialStep, _NoNever, _WatermarkOnAppend),
         trivial=(_ManagerDoesNothing,)),
     Exercise("3.2", "the slots of one step's new tokens", check_step_slot_mapping, hints=(
@@ -245,7 +246,7 @@ EXERCISES = Exercises(
         "A position p sits in logical block p // block_size, at offset p % block_size; the "
         "table turns the logical block into a physical one.",
         "slot = tables[s][p // block_size] * block_size + p % block_size. Then read "
-        "BlockTable.slot in course_lib/memory/block_table.py.",
+        "BlockTable.slot in course_lib/memory/v0/block_table.py.",
     ), solution=solutions.step_slot_mapping, wrong=(_slots_logical, _slots_from_zero)),
     Exercise("3.3", "free-list allocator", check_allocator, hints=(
         "Keep the free blocks in a Python list used as a stack: append() pushes, pop() takes "
@@ -254,7 +255,7 @@ EXERCISES = Exercises(
         "block is already free *before* touching the stack (a list of booleans answers the "
         "second question in O(1)).",
         "Start from list(range(num_blocks - 1, -1, -1)). Then read BlockAllocator in "
-        "course_lib/memory/pool.py: the same stack, plus reference counts.",
+        "course_lib/memory/v0/pool.py: the same stack, plus reference counts.",
     ), solution=solutions.ToyAllocator, wrong=(_FifoAllocator, _TrustingAllocator),
         trivial=(_DoesNothing,)),
 )

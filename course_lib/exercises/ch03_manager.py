@@ -10,7 +10,8 @@ import random
 
 from course_lib.exercises import Verdict, op_text, replay_ops
 from course_lib.exercises.solutions import ch03 as solutions
-from course_lib.memory import BlockAllocator, cdiv
+from course_lib.memory.v0.pool import BlockAllocator
+from course_lib.sizing.units import cdiv
 
 
 class ReferenceManager:
@@ -141,7 +142,7 @@ class _PartialStep(solutions.ToyManager):
 
     def append_step(self, new_tokens):
         for seq, k in new_tokens.items():
-            extra = -(-(self.lens[seq] + k) // self.block_size) - len(self.tables[seq])
+            extra = cdiv(self.lens[seq] + k, self.block_size) - len(self.tables[seq])
             if extra > len(self.free_blocks):
                 return False
             self.tables[seq] += [self.free_blocks.pop() for _ in range(extra)]
@@ -161,7 +162,7 @@ class _WatermarkOnAppend(solutions.ToyManager):
     """Wrong: keeps the watermark free on appends too (it is for admitting new prompts)."""
 
     def append_step(self, new_tokens):
-        extra = sum(-(-(self.lens[s] + k) // self.block_size) - len(self.tables[s])
+        extra = sum(cdiv(self.lens[s] + k, self.block_size) - len(self.tables[s])
                     for s, k in new_tokens.items())
         if extra > len(self.free_blocks) - self.watermark:
             return False

@@ -32,6 +32,7 @@ from course_lib.exercises.ch04_wrong import (
 )
 from course_lib.exercises.solutions import ch04 as solutions
 from course_lib.kernels import reference
+from course_lib.sizing.units import cdiv
 
 
 def paged_case(seq_len: int, block_size: int, heads: int, head_dim: int, seed: int,
@@ -41,7 +42,7 @@ def paged_case(seq_len: int, block_size: int, heads: int, head_dim: int, seed: i
     ``table`` (int32: the blocks in a shuffled order, then two ``-1``) and the contiguous
     ``k, v [seq_len, heads, head_dim]`` they hold."""
     gen = torch.Generator().manual_seed(seed)
-    used = -(-seq_len // block_size)
+    used = cdiv(seq_len, block_size)
     num_blocks = used + 3
     pages = torch.randperm(num_blocks, generator=gen)[:used]
     k = torch.randn(seq_len, heads, head_dim, generator=gen)

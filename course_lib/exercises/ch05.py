@@ -22,26 +22,21 @@ from course_lib import capacity
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
 from course_lib.exercises.ch05_beams import WRONG as _WRONG_BEAMS
-from course_lib.exercises.ch05_beams import (  # noqa: F401  (5.1, re-exported)
-    BeamCase,
-    beam_args,
-    beam_blocks,
-    beam_cases,
+from course_lib.exercises.ch05_beams import (
     check_beam_blocks,
 )
 from course_lib.exercises.ch05_cow import WRONG as _WRONG_COW
-from course_lib.exercises.ch05_cow import (  # noqa: F401  (5.3, re-exported for the notebook)
-    ReferenceCow,
+from course_lib.exercises.ch05_cow import (
     _DoesNothing,
     check_cow_manager,
-    cow_cases,
 )
 from course_lib.exercises.solutions import ch05 as solutions
-from course_lib.memory import BlockManager
-from course_lib.scheduler import Scheduler
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.scheduler.scheduler import Scheduler
 from course_lib.sequence import SamplingParams
 from course_lib.sim.fake_sampler import fake_samples
 from course_lib.sim.traces import TraceRequest, alpaca_like, few_shot
+from course_lib.sizing.units import cdiv
 
 
 # ------------------------------------------------------------------ 5.2 blocks held
@@ -88,7 +83,7 @@ def _judge_held(learner: Callable, case: tuple) -> str | None:
     n, prompt, gen, bs = case
     text = (f"{n} samples of a {prompt}-token prompt, {gen} generated tokens each, blocks of {bs}: "
             f"you count {got!r}, the manager holds {want}")
-    if got == n * -(-(prompt + gen) // bs):
+    if got == n * cdiv(prompt + gen, bs):
         return text + " (the prompt's full blocks are shared: they count once)"
     if gen == 0:
         return text + " (nobody has written yet: even the partial block is still shared)"
@@ -152,13 +147,13 @@ def cow_scenarios(num_requests: int = 40, seed: int = 0) -> list[CowCount]:
 # ----------------------------------------------------------------- the registry
 def _no_sharing(num_samples, prompt_len, gen_len, block_size):
     """Wrong: every sample holds its own copy of everything."""
-    return num_samples * -(-(prompt_len + gen_len) // block_size)
+    return num_samples * cdiv(prompt_len + gen_len, block_size)
 
 
 def _partial_block_shared_forever(num_samples, prompt_len, gen_len, block_size):
     """Wrong: counts the prompt's partial block once, as if nobody wrote into it."""
-    prompt_blocks = -(-prompt_len // block_size)
-    return prompt_blocks + num_samples * (-(-(prompt_len + gen_len) // block_size)
+    prompt_blocks = cdiv(prompt_len, block_size)
+    return prompt_blocks + num_samples * (cdiv(prompt_len + gen_len, block_size)
                                           - prompt_blocks)
 
 
@@ -180,7 +175,7 @@ EXERCISES = Exercises(
         "held = blocks with a count above 0 after the frees and forks, plus one per copy, "
         "plus one per beam when the last blocks were full. Then read _beam_step in "
         "course_lib/scheduler/output_processor.py and BlockManager.fork / free / "
-        "append_slots in course_lib/memory/manager.py.",
+        "append_slots in course_lib/memory/v0/manager.py.",
     ), solution=solutions.beam_blocks, wrong=_WRONG_BEAMS,
         trivial=(lambda *a: None, lambda *a: ([], [], 0))),
     Exercise("5.2", "blocks_held", check_blocks_held, hints=(
@@ -191,7 +186,7 @@ EXERCISES = Exercises(
         "partial block is still shared.",
         "Once it passes, compare with capacity.blocks_with_shared_prefix in "
         "course_lib/capacity.py (which has no gen_len = 0 case), then BlockManager."
-        "append_slots in course_lib/memory/manager.py.",
+        "append_slots in course_lib/memory/v0/manager.py.",
     ), solution=solutions.blocks_held, wrong=(_no_sharing, _partial_block_shared_forever,
                                               _held_after_sampling)),
     Exercise("5.3", "CowManager", check_cow_manager, hints=(
@@ -200,8 +195,8 @@ EXERCISES = Exercises(
         "A block goes back on the free stack only when its ref count reaches 0. free() walks "
         "the table from its last block to its first; a copy takes the top of the free stack, "
         "then drops the writer's reference to the source block.",
-        "Read BlockManager.append_slots, fork and free in course_lib/memory/manager.py, and "
-        "BlockAllocator.touch / release in course_lib/memory/pool.py.",
+        "Read BlockManager.append_slots, fork and free in course_lib/memory/v0/manager.py, and "
+        "BlockAllocator.touch / release in course_lib/memory/v0/pool.py.",
     ), solution=solutions.CowManager, wrong=_WRONG_COW, trivial=(_DoesNothing,)),
 )
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from course_lib.exercises import Verdict, judge_cases
 from course_lib.exercises.solutions import ch05 as solutions
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 
 
 class BeamCase(NamedTuple):

@@ -12,7 +12,7 @@ import random
 
 from course_lib.exercises import Verdict, pool_history, replay_ops
 from course_lib.exercises.solutions import ch05 as solutions
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 
 
 class ReferenceCow:

@@ -15,9 +15,11 @@ from typing import NamedTuple
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Exercise, Exercises, Verdict, check, pool_history, replay_ops
 from course_lib.exercises.solutions import ch06 as solutions
-from course_lib.memory import BlockAllocator, BlockManager
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.memory.v0.pool import BlockAllocator
 from course_lib.sim.replay import replay
 from course_lib.sim.traces import TraceRequest
+from course_lib.sizing.units import cdiv
 
 
 # ------------------------------------------------------------------ 6.1 the LRU order
@@ -89,7 +91,7 @@ class ReferencePool:
 def pool_cases(seed: int = 9, count: int = 30) -> list[tuple[int, int, list[tuple]]]:
     """(num_blocks, block_size, ops): ("run", seq, prompt) or ("finish", seq); every run fits
     (``can_allocate`` says OK) when it is asked for."""
-    from course_lib.memory import AllocStatus
+    from course_lib.memory.common import AllocStatus
 
     cases: list[tuple[int, int, list[tuple]]] = [
         (6, 4, [("run", 0, list(range(1, 17))), ("finish", 0),               # the page's LRU
@@ -170,7 +172,7 @@ def ttft_with_and_without_cache(trace: Sequence[TraceRequest],
     """Replay ``trace`` (``sim.replay``: the V0 scheduler, the default ``CostModel``, a pool
     that never runs short) with prefix caching off, then on."""
     longest = max((t.prompt_len + t.output_len for t in trace), default=1)
-    need = sum(-(-(t.prompt_len + t.output_len) // block_size) for t in trace) + 1
+    need = sum(cdiv(t.prompt_len + t.output_len, block_size) for t in trace) + 1
     runs = [replay(trace, SchedulerConfig(max_model_len=longest),
                    CacheConfig(block_size=block_size, num_gpu_blocks=need, watermark=0.0,
                                enable_prefix_caching=on)) for on in (False, True)]
@@ -251,8 +253,8 @@ EXERCISES = Exercises(
         "all run. It becomes evictable when the last of them finishes, not before.",
         "Walk each finished table from its last block to its first; every block whose count "
         "reaches 0 goes to the end of the list (the end is evicted last).",
-        "Read BlockManager.free in course_lib/memory/manager.py and BlockAllocator.release in "
-        "course_lib/memory/pool.py (an OrderedDict keeps the LRU).",
+        "Read BlockManager.free in course_lib/memory/v0/manager.py and BlockAllocator.release in "
+        "course_lib/memory/v0/pool.py (an OrderedDict keeps the LRU).",
     ), solution=solutions.lru_order, wrong=(_released_head_first, _no_ref_counts,
                                             _newest_first)),
     Exercise("6.2", "PrefixPool", check_prefix_pool, hints=(
@@ -263,9 +265,9 @@ EXERCISES = Exercises(
         "free stack's top, or when it is empty the LRU's first block, whose hash you forget. "
         "Then cache each full block whose hash is not cached yet. finish: release the table "
         "from its last block; a cached block goes to the LRU's end, any other to the stack.",
-        "Read BlockManager.allocate and free in course_lib/memory/manager.py, "
-        "BlockAllocator.allocate_n / release in course_lib/memory/pool.py and "
-        "PrefixCache.register in course_lib/memory/prefix_cache.py.",
+        "Read BlockManager.allocate and free in course_lib/memory/v0/manager.py, "
+        "BlockAllocator.allocate_n / release in course_lib/memory/v0/pool.py and "
+        "PrefixCache.register in course_lib/memory/v0/prefix_cache.py.",
     ), solution=solutions.PrefixPool, wrong=(_EvictsTheNewest, _NoCap, _FinishesHeadFirst),
         trivial=(_DoesNothing,)),
 )

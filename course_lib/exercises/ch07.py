@@ -16,27 +16,22 @@ from typing import Any
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Exercise, Exercises, Verdict, check
-from course_lib.exercises.ch07_schedule import (  # noqa: F401 (7.4, re-exported)
+from course_lib.exercises.ch07_schedule import (
     _admits_after_preempting,
     _no_chunked_prefill,
     _preempts_the_one_that_needs,
     check_schedule_step,
-    schedule_cases,
-    schedule_step,
 )
-from course_lib.exercises.ch07_swap import (  # noqa: F401 (7.2, re-exported)
+from course_lib.exercises.ch07_swap import (
     WRONG,
     check_schedule_running_and_swapped,
-    explain_step,
-    schedule_running_and_swapped,
-    swap_cases,
 )
 from course_lib.exercises.solutions import ch07 as solutions
-from course_lib.memory import cdiv
-from course_lib.scheduler import Scheduler
+from course_lib.scheduler.scheduler import Scheduler
 from course_lib.sequence import SamplingParams
 from course_lib.sim.fake_sampler import fake_samples
 from course_lib.sim.replay import CostModel
+from course_lib.sizing.units import cdiv
 
 
 def prefill_chunks(prompt_len: int, max_num_batched_tokens: int, num_decoding: int) -> list[int]:
@@ -129,14 +124,14 @@ def _decodes_only_in_the_first_step(prompt_len, max_num_batched_tokens, num_deco
 
 def _swap_forgets_the_way_back(num_tokens, block_size, kv_bytes_per_token, s_per_token):
     """Wrong: compares recompute with swapping out only."""
-    blocks = -(-num_tokens // block_size)
+    blocks = cdiv(num_tokens, block_size)
     out = blocks * block_size * kv_bytes_per_token / 20e9 + blocks * 64 * 4e-6
     return "recompute" if num_tokens * s_per_token <= out else "swap"
 
 
 def _tie_goes_to_swap(num_tokens, block_size, kv_bytes_per_token, s_per_token):
     """Wrong: recompute only when strictly cheaper, without a tolerance for the tie."""
-    blocks = -(-num_tokens // block_size)
+    blocks = cdiv(num_tokens, block_size)
     swap = 2 * (blocks * block_size * kv_bytes_per_token / 20e9 + blocks * 64 * 4e-6)
     return "recompute" if num_tokens * s_per_token < swap else "swap"
 
@@ -174,7 +169,7 @@ EXERCISES = Exercises(
         "cdiv(num_computed_tokens + 1, block_size); the first that does not fit stops.",
         "Read Scheduler.schedule, _preempt and _schedule_swapped in "
         "course_lib/scheduler/scheduler.py, and can_swap_out / swap_in_need in "
-        "course_lib/memory/swap.py.",
+        "course_lib/memory/v0/manager.py.",
     ), solution=solutions.schedule_running_and_swapped, wrong=WRONG),
     Exercise("7.3", "cheaper_preemption", check_cheaper_preemption, hints=(
         "Recompute costs num_tokens x s_per_token. Swap moves whole blocks, and moves them "
@@ -195,7 +190,7 @@ EXERCISES = Exercises(
         "itself. Waiting pass, only if nobody was preempted: stop at the first request whose "
         "chunk min(tokens, budget) does not get its blocks.",
         "Read SchedulerV1.schedule and _schedule_waiting in course_lib/scheduler/v1.py, and "
-        "KVCacheManager.allocate_slots in course_lib/memory/kv_cache_manager.py.",
+        "KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py.",
     ), solution=solutions.schedule_step, wrong=(_admits_after_preempting,
                                                 _preempts_the_one_that_needs,
                                                 _no_chunked_prefill)),

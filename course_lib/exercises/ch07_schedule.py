@@ -17,8 +17,8 @@ from typing import Any
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Verdict, judge_cases, returns
 from course_lib.exercises.solutions import ch07 as solutions
-from course_lib.memory import cdiv
 from course_lib.scheduler.v1 import SchedulerV1
+from course_lib.sizing.units import cdiv
 
 Running = Sequence[tuple[int, int, int]]      # (request_id, num_tokens, num_computed_tokens)
 Waiting = Sequence[tuple[int, int]]           # (request_id, num_tokens)
@@ -148,8 +148,8 @@ def _admits_after_preempting(running, waiting, free, bs, seqs, tokens):
     if not preempted:
         return scheduled, preempted
     kept = [r for r in running if r[0] not in preempted]
-    held = sum(-(-c // bs) for _, _, c in running) + free
-    used = sum(-(-(c + n) // bs) for (rid, _, c), (_, n) in zip(kept, scheduled, strict=False))
+    held = sum(cdiv(c, bs) for _, _, c in running) + free
+    used = sum(cdiv(c + n, bs) for (rid, _, c), (_, n) in zip(kept, scheduled, strict=False))
     more, _ = solutions.schedule_step([], waiting, held - used,
                                       bs, seqs - len(kept), tokens - sum(n for _, n in scheduled))
     return scheduled + more, preempted
@@ -162,10 +162,10 @@ def _preempts_the_one_that_needs(running, waiting, free, bs, seqs, tokens):
         if budget == 0:
             break
         num_new = min(n - c, budget)
-        need = -(-(c + num_new) // bs) - -(-c // bs)
+        need = cdiv(c + num_new, bs) - cdiv(c, bs)
         if need > free:
             preempted.append(rid)
-            free += -(-c // bs)
+            free += cdiv(c, bs)
             continue
         free, budget = free - need, budget - num_new
         scheduled.append((rid, num_new))
@@ -181,11 +181,11 @@ def _no_chunked_prefill(running, waiting, free, bs, seqs, tokens):
     if preempted:
         return scheduled, preempted
     budget = tokens - sum(n for _, n in scheduled)
-    free -= sum(-(-(c + n) // bs) - -(-c // bs) for (_, n), (_, _, c) in
+    free -= sum(cdiv(c + n, bs) - cdiv(c, bs) for (_, n), (_, _, c) in
                 zip(scheduled, running, strict=False))
     for rid, n in waiting[:max(0, seqs - len(running))]:
-        if n > budget or -(-n // bs) > free:
+        if n > budget or cdiv(n, bs) > free:
             break
         scheduled.append((rid, n))
-        budget, free = budget - n, free - -(-n // bs)
+        budget, free = budget - n, free - cdiv(n, bs)
     return scheduled, preempted

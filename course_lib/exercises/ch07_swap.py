@@ -1,7 +1,7 @@
 """Chapter 07's exercise 7.2: one decode step of vLLM V0's scheduler with its victims, swap out
 and swap in (vLLM 0.6.3's ``Scheduler._schedule_running`` and ``_schedule_swapped``).
 
-The reference is the library's V0 :class:`~course_lib.scheduler.Scheduler`, set up in the
+The reference is the library's V0 :class:`~course_lib.scheduler.scheduler.Scheduler`, set up in the
 state a case describes (requests decoding on the GPU, others swapped out to the CPU pool) and
 asked for one ``schedule()``. :func:`explain_step` replays the same rules in plain Python with
 the reason for every event, so that a difference is told as the step of the pass where it
@@ -18,7 +18,7 @@ from typing import Any
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Verdict, judge_cases, returns
-from course_lib.memory import cdiv
+from course_lib.sizing.units import cdiv
 
 Req = tuple[int, float, int]       # (request_id, arrival_time, num_computed_tokens)
 Step = tuple[list[int], list[tuple[int, str]], list[int]]   # (decoded, preempted, swapped_in)
@@ -30,7 +30,7 @@ def schedule_running_and_swapped(running: Sequence[Req], swapped: Sequence[Req],
     """Reference: one ``schedule()`` of the V0 scheduler (no waiting requests, no budget
     limits, no watermark). ``running`` requests hold ``cdiv(num_computed_tokens, block_size)``
     GPU blocks, ``swapped`` ones as many CPU blocks; ``num_free_*`` more are free."""
-    from course_lib.scheduler import Scheduler
+    from course_lib.scheduler.scheduler import Scheduler
     from course_lib.sequence import SamplingParams, SequenceStatus
 
     held = sum(cdiv(c, block_size) for _, _, c in running)
@@ -205,7 +205,7 @@ def check_schedule_running_and_swapped(fn: Callable[..., Step]) -> Verdict:
 def _variant(running, swapped, free, cpu_free, bs, mode, *, sort=True, cpu_room=True,
              decode_room=True, victim_last=True, swap_in_after_preempt=False) -> Step:
     def blocks(tokens):
-        return -(-tokens // bs)
+        return cdiv(tokens, bs)
 
     queue = sorted(running, key=lambda r: (r[1], r[0])) if sort else list(running)
     decoded, preempted, swapped_in = [], [], []

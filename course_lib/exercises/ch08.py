@@ -16,19 +16,18 @@ from collections.abc import Callable
 from typing import Any
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB
 from course_lib.exercises import Exercise, Exercises, Verdict, check
-from course_lib.exercises.ch08_requests import (  # noqa: F401 (8.3, re-exported)
+from course_lib.exercises.ch08_requests import (
     _average_request,
     _last_token_cached,
     _mix_tokens_not_blocks,
     _reserve_final_size,
-    blocks_by_step,
     check_max_num_requests,
-    reference_max_num_requests,
-    request_cases,
 )
 from course_lib.exercises.solutions import ch08 as solutions
+from course_lib.sizing.blocks import num_blocks_for_tokens, num_gpu_blocks
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import H200_MEMORY_GIB, GiB, cdiv
 
 RAISES = "raises ValueError"
 
@@ -45,7 +44,7 @@ BLOCK_CASES = [
     (80, 0.9, 16, 0, 3 * 1024 ** 3),     # a block bigger than the budget: zero blocks
     # H200 (nvidia-smi's 140.4 GiB) at vLLM 0.33.0's 0.92: Llama-3-70B over 2 ranks, 2.5 MiB
     # blocks: 25,173
-    (cap.H200_MEMORY_GIB, 0.92, 65.71, 2, 2_621_440),
+    (H200_MEMORY_GIB, 0.92, 65.71, 2, 2_621_440),
 ]
 
 # (num_kv_heads, tensor_parallel_size)
@@ -76,7 +75,7 @@ def reference_num_gpu_blocks(total_gpu_memory_gib: float, gpu_memory_utilization
     """
     avail = cap.available_kv_bytes(round(total_gpu_memory_gib * GiB), gpu_memory_utilization,
                                    round(weight_gib * GiB), round(other_gib * GiB))
-    return cap.num_gpu_blocks(avail, block_bytes)
+    return num_gpu_blocks(avail, block_bytes)
 
 
 def reference_kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
@@ -84,7 +83,7 @@ def reference_kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) ->
 
     tp and num_kv_heads must divide one another, otherwise ValueError.
     """
-    spec = cap.ModelSpec("exercise", 1, num_kv_heads * 64, num_kv_heads, 128, num_params=1)
+    spec = ModelSpec("exercise", 1, num_kv_heads * 64, num_kv_heads, 128, num_params=1)
     return cap.kv_heads_per_rank(spec, tensor_parallel_size)
 
 
@@ -95,9 +94,9 @@ def reference_smallest_tp(num_layers: int, num_attention_heads: int, num_kv_head
     ``max_model_len`` tokens at once: 16-bit weights split evenly over the ranks, 16-bit K/V,
     ``gpu_memory_utilization`` 0.9, blocks of 16 tokens, no activations or overhead. Sizes
     that cannot split the heads are skipped; ValueError when no size works."""
-    spec = cap.ModelSpec("exercise", num_layers, num_attention_heads, num_kv_heads, head_dim,
+    spec = ModelSpec("exercise", num_layers, num_attention_heads, num_kv_heads, head_dim,
                          num_params=num_params)
-    per_request = cap.num_blocks_for_tokens(max_model_len, 16)
+    per_request = num_blocks_for_tokens(max_model_len, 16)
     for tp in range(1, num_attention_heads + 1):
         try:
             block = cap.block_bytes(spec, 16, tp)
@@ -105,7 +104,7 @@ def reference_smallest_tp(num_layers: int, num_attention_heads: int, num_kv_head
                                            round(spec.weight_bytes / tp))
         except ValueError:                    # cannot split the heads / the weights do not fit
             continue
-        if cap.num_gpu_blocks(avail, block) // per_request >= num_requests:
+        if num_gpu_blocks(avail, block) // per_request >= num_requests:
             return tp
     raise ValueError(f"no tensor-parallel size of {spec.num_attention_heads} heads serves "
                      f"{num_requests} requests of {max_model_len} tokens")
@@ -181,7 +180,7 @@ def _search(L, H, KV, D, P, gib, max_len, n, split_weights=True, sizes=None,
         if budget < 0:
             continue
         blocks = budget // block
-        fits = blocks // -(-max_len // 16) if whole_blocks else blocks * 16 // max_len
+        fits = blocks // cdiv(max_len, 16) if whole_blocks else blocks * 16 // max_len
         if fits >= n:
             return tp
     raise ValueError("none")
@@ -214,7 +213,8 @@ EXERCISES = Exercises(
         "Request (p, o) adds cdiv(p + s, block_size) to need[s] for s in range(o), nothing "
         "after (it has left). Stop at the first request that pushes max(need) over "
         "num_gpu_blocks: the answer is the number admitted before it.",
-        "cdiv(x, bs) is -(-x // bs). Then read max_concurrency in course_lib/capacity.py, "
+        "cdiv(x, bs) is -(-x // bs) (course_lib.sizing.units.cdiv). Then read "
+        "max_concurrency in course_lib/capacity.py, "
         "vLLM's figure for requests that all reach max_model_len, and Scheduler.schedule in "
         "course_lib/scheduler/scheduler.py, where append_decode asks for these blocks one "
         "step at a time and preempts when they run out.",

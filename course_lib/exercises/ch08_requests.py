@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 
 from course_lib.exercises import Verdict, judge_cases, returns
-from course_lib.memory import cdiv
+from course_lib.sizing.units import cdiv
 
 # ------------------------------------------------------------------ 8.3 a mix of requests
 Mix = list[tuple[int, int]]       # (prompt_len, output_len) of each request, in arrival order
@@ -134,7 +134,7 @@ def _reserve_final_size(num_gpu_blocks, block_size, requests):
     """Wrong: each request holds its final size, cdiv(p + o - 1, bs), from step 0 on."""
     used = 0
     for k, (p, o) in enumerate(requests):
-        used += -(-(p + o - 1) // block_size)
+        used += cdiv(p + o - 1, block_size)
         if used > num_gpu_blocks:
             return k
     return len(requests)
@@ -147,7 +147,7 @@ def _mix_tokens_not_blocks(num_gpu_blocks, block_size, requests):
 
 def _last_token_cached(num_gpu_blocks, block_size, requests):
     """Wrong: step s holds p + s + 1 tokens, as if the token just sampled had its slot."""
-    return _first_overflow(requests, lambda p, s: -(-(p + s + 1) // block_size), num_gpu_blocks)
+    return _first_overflow(requests, lambda p, s: cdiv(p + s + 1, block_size), num_gpu_blocks)
 
 
 def _average_request(num_gpu_blocks, block_size, requests):
@@ -155,7 +155,7 @@ def _average_request(num_gpu_blocks, block_size, requests):
     if not requests:
         return 0
     average = round(sum(p + o - 1 for p, o in requests) / len(requests))
-    return min(len(requests), num_gpu_blocks // -(-average // block_size))
+    return min(len(requests), num_gpu_blocks // cdiv(average, block_size))
 
 
 def _first_overflow(requests, held, limit):

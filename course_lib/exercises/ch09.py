@@ -24,6 +24,7 @@ from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, retu
 from course_lib.exercises.solutions import ch09 as solutions
 from course_lib.parallel.cp_decode import CPCase
 from course_lib.parallel.merge import partial_attention
+from course_lib.sizing.units import cdiv
 
 
 def _case(prompt_len: int, cp_size: int, interleave_size: int) -> tuple[CPCase, int]:
@@ -210,7 +211,7 @@ def check_max_decode_steps(fn: Callable[[int, int, int, int, int], int]) -> Verd
 def _ceil_ranges(prompt_len, num_steps, cp_size, interleave_size):   # ceil-sized chunks
     if interleave_size:
         return solutions.place_tokens(prompt_len, num_steps, cp_size, interleave_size)
-    chunk = -(-prompt_len // cp_size)
+    chunk = cdiv(prompt_len, cp_size)
     ranks = [[] for _ in range(cp_size)]
     for p in range(prompt_len + num_steps):
         ranks[min(p // chunk, cp_size - 1)].append(p)

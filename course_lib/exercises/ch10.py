@@ -9,7 +9,8 @@ chunk that stops short of the prompt's end), one beam-search step (cumulative lo
 forks and drops), the memory sharing saves. ``tests/test_exercises_ch10.py`` checks the
 references against the engine (``make_attention_metadata``, the scheduler's beam step,
 ``workloads.saving_of_tables``). 10.2's reference and checker live in
-:mod:`course_lib.exercises.ch10_beams` and are re-exported here.
+:mod:`course_lib.exercises.ch10_beams` (the notebook calls ``ch10_beams.check_beam_step``);
+this module registers 10.2 with its hints.
 """
 
 from __future__ import annotations
@@ -19,21 +20,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from course_lib import capacity as cap
-from course_lib.claims.sources import cite
+from course_lib.claims.sources_claim import cite
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import PAPER_SHARING_SAVINGS, saving_of_tables, sharing_savings
 from course_lib.exercises import Exercise, Exercises, Verdict, check, judge_cases, returns
 from course_lib.exercises.ch10_beams import WRONG as _WRONG_BEAMS
-from course_lib.exercises.ch10_beams import (  # noqa: F401  (10.2, re-exported)
-    Beam,
-    _beam_cases,
-    beam_step,
+from course_lib.exercises.ch10_beams import (
     check_beam_step,
 )
 from course_lib.exercises.solutions import ch10 as solutions
 from course_lib.scheduler.metrics import Metrics
 from course_lib.sequence import SamplingParams
 from course_lib.sim.traces import TraceRequest
+from course_lib.sizing.blocks import num_full_blocks
+from course_lib.sizing.models import get_preset
+from course_lib.sizing.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class PrefixCachingCase:
             f"8 x A100 80GB, {n} requests x {h:,} tokens of history "
             f"({self.system_prompt_tokens}-token shared system prompt)",
             f"memory is not the limit: {n} x {h:,} tokens need "
-            f"{cap.format_bytes(self.kv_bytes_needed)} of KV; one GPU's pool holds "
+            f"{format_bytes(self.kv_bytes_needed)} of KV; one GPU's pool holds "
             f"{self.pool_tokens_per_gpu:,} tokens, so the batch is the same with or without "
             "the cache",
             f"prefill tokens computed: {self.prefill_no_cache:,} without the cache, "
@@ -114,10 +115,10 @@ class PrefixCachingCase:
 def article_prefix_case(block_size: int = 16) -> PrefixCachingCase:
     """:class:`PrefixCachingCase`, computed (the first request computes its whole prompt; the
     others skip the full blocks cached before them)."""
-    spec, n, h, sp = cap.get_preset("llama-3-8b"), 64, 1000, 500
+    spec, n, h, sp = get_preset("llama-3-8b"), 64, 1000, 500
     pool = cap.plan_kv_cache(spec, 80, block_size=block_size).num_gpu_tokens
-    shared = cap.num_full_blocks(sp, block_size) * block_size
-    history = cap.num_full_blocks(h, block_size) * block_size
+    shared = num_full_blocks(sp, block_size) * block_size
+    history = num_full_blocks(h, block_size) * block_size
     return PrefixCachingCase((850, 2600), n, h, sp, cap.contiguous_kv_bytes(spec, n * h), pool,
                              n * h, h + (n - 1) * (h - shared), n * (h - history))
 

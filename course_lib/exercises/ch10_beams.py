@@ -5,7 +5,7 @@ picked is dropped).
 :func:`beam_step` is the reference (``tests/test_exercises_ch10.py`` checks it against the
 scheduler's beam step); :func:`check_beam_step` runs hand-picked cases, then random ones from a
 fixed seed, and names the first beam that differs. :data:`WRONG` holds the mistakes the checker
-must catch. :mod:`course_lib.exercises.ch10` re-exports the public names and registers 10.2.
+must catch. :mod:`course_lib.exercises.ch10` registers 10.2 (its hints and solution).
 """
 
 from __future__ import annotations

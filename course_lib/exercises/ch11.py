@@ -1,7 +1,7 @@
 """Chapter 11 (capstone) exercises: the block manager's append, the step's cache operations.
 
 * 11.1 ``append_slots(bm, seq_id, token_ids)``: reserve slots for new tokens on the real
-  :class:`~course_lib.memory.BlockManager`, copying a shared partial last block first
+  :class:`~course_lib.memory.v0.manager.BlockManager`, copying a shared partial last block first
   (copy-on-write). The checker routes every append of the engine's block manager through it.
 * 11.2 ``cache_ops(eng, out)``: run a step's ``blocks_to_swap_out``, ``blocks_to_swap_in`` and
   ``blocks_to_copy`` on ``eng.gpu_caches`` / ``eng.cpu_caches`` (one ``(key, value)`` pair per
@@ -27,20 +27,21 @@ from dataclasses import dataclass
 
 import torch
 
-from course_lib import capacity as cap
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.exercises import Exercise, Exercises, Verdict
 from course_lib.exercises import capstone_checks as checks
 from course_lib.exercises import ch11_serving as serving
-from course_lib.exercises.ch11_serving import TokenTimes, check_serving_metrics  # noqa: F401
+from course_lib.exercises.ch11_serving import check_serving_metrics
 from course_lib.exercises.solutions import ch11 as solutions
 from course_lib.kernels.cache_ops import swap_blocks
 from course_lib.kernels.reference import copy_blocks_ref
-from course_lib.memory import BlockManager
-from course_lib.model import TinyLlama, allocate_kv_caches, make_attention_metadata
-from course_lib.scheduler import Scheduler
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.model.attention import make_attention_metadata
+from course_lib.model.llama import TinyLlama, allocate_kv_caches
 from course_lib.scheduler.output import SchedulerOutput
+from course_lib.scheduler.scheduler import Scheduler
 from course_lib.sequence import Request, SamplingParams
+from course_lib.sizing.models import ModelSpec
 
 AppendFn = Callable[[BlockManager, int, list[int]], list[tuple[int, int]]]
 CacheOpsFn = Callable[[object, SchedulerOutput], None]
@@ -49,19 +50,20 @@ CacheOpsFn = Callable[[object, SchedulerOutput], None]
 _THIS = sys.modules[__name__]   # handed to capstone_checks, which cannot import this module
 
 
-def tiny_spec(model: TinyLlama) -> cap.ModelSpec:
+def tiny_spec(model: TinyLlama) -> ModelSpec:
     """The tiny model as a capacity ``ModelSpec`` (float32 cache)."""
     c = model.config
     params = sum(p.numel() for p in model.parameters())
-    return cap.ModelSpec("tiny-llama", c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+    return ModelSpec("tiny-llama", c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
                          params, dtype_bytes=4, param_bytes=4.0)
 
 
 def plug_append(bm: BlockManager, append: AppendFn) -> None:
     """Route every append of ``bm`` through ``append(bm, seq_id, token_ids)``: the decode
-    call takes its general path (room check, then ``append_slots`` per sequence)."""
+    call takes the plain ``BlockManager.append_decode`` (the room check, then
+    ``append_slots`` per sequence), not the scheduler twin's fused path."""
     bm.append_slots = lambda seq_id, token_ids: append(bm, seq_id, list(token_ids))
-    bm.append_decode = bm._append_general
+    bm.append_decode = functools.partial(BlockManager.append_decode, bm)
 
 
 def library_cache_ops(eng: MiniEngine, out: SchedulerOutput) -> None:
@@ -175,7 +177,7 @@ WORKLOADS = [  # prompts, max_tokens, n, block_size, gpu blocks, cpu blocks, pre
 @functools.cache
 def tiny_model() -> TinyLlama:
     """The course's tiny model, loaded once for the checkers."""
-    from course_lib.model import load_tiny_model
+    from course_lib.model.loader import load_tiny_model
 
     return load_tiny_model()
 
@@ -217,8 +219,8 @@ EXERCISES = Exercises(
         "in its place, bm.gpu.release([old]) and report (old, new). Then append fresh blocks "
         "until len(blocks) * block_size >= n + len(token_ids), and extend token_ids.",
         "Exercise 5.3 wrote the same rule on a toy; compare with BlockManager.append_slots "
-        "in course_lib/memory/manager.py (and its fast path, DecodePath.append_decode, in "
-        "course_lib/memory/decode.py).",
+        "in course_lib/memory/v0/manager.py (and the scheduler's twin, "
+        "FastBlockManager.append_decode, in course_lib/memory/v0/fast.py).",
     ), solution=solutions.append_slots, wrong=checks.WRONG_APPENDS,
         trivial=(lambda *a: None, lambda *a: [])),
     Exercise("11.2", "the step's cache operations", check_cache_ops, hints=(

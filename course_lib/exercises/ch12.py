@@ -14,8 +14,9 @@ from collections.abc import Callable
 from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
 from course_lib.exercises.ch12_allocate import check_allocate_slots
 from course_lib.exercises.solutions import ch12 as solutions
-from course_lib.memory.block_pool import BlockPool
-from course_lib.memory.radix_cache import RadixCache
+from course_lib.memory.radix.radix_cache import RadixCache
+from course_lib.memory.v1.block_pool import BlockPool
+from course_lib.sizing.units import cdiv
 
 
 def free_queue_after(queue: list[int], table: list[tuple[int, bool]]) -> list[int]:
@@ -129,7 +130,7 @@ def _allocate(pool, req, n, hits, bs, watermark, *, evictable_cost=True, partial
               touch_last=False, touch_first=False):
     """The solution with one idea switched off or changed (the wrong answers below)."""
     total = req.num_computed_tokens + len(hits) * bs + n
-    new = -(-total // bs) - len(req.blocks) - len(hits)
+    new = cdiv(total, bs) - len(req.blocks) - len(hits)
     cost = new + (len(hits) if all_hits_cost else
                   sum(1 for b in hits if b.ref_cnt == 0) if evictable_cost else 0)
     reserve = 0 if reserve_never else watermark if (reserve_always or not req.blocks) else 0
@@ -144,7 +145,7 @@ def _allocate(pool, req, n, hits, bs, watermark, *, evictable_cost=True, partial
     if touch_last:
         pool.touch(hits)
     req.blocks = req.blocks + hits + fresh
-    full = -(-total // bs) if partial else total // bs
+    full = cdiv(total, bs) if partial else total // bs
     pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, full)
     req.num_cached_block = full
     return fresh
@@ -192,7 +193,7 @@ EXERCISES = Exercises(
         "The uncached blocks go in front of the old queue (reused first) and the cached ones "
         "behind it (evicted last), each list in the order it was freed: tail first.",
         "Read BlockPool.free_blocks and FreeKVCacheBlockQueue in "
-        "course_lib/memory/block_pool.py (vllm/v1/core/block_pool.py in vLLM).",
+        "course_lib/memory/v1/block_pool.py (vllm/v1/core/block_pool.py in vLLM).",
     ), solution=solutions.free_queue_after, wrong=(
         lambda q, t: [b for b, c in t if not c] + q + [b for b, c in t if c],   # table order
         lambda q, t: q + [b for b, _ in t[::-1]])),                             # all to the back
@@ -201,7 +202,7 @@ EXERCISES = Exercises(
         "the prompt with any one of them (token by token, not block by block).",
         "Only whole pages are matched: round the longest common prefix down to a multiple of "
         "page_size. Unlike V1's hash chain, the whole prompt may be matched.",
-        "Read RadixCache.match_prefix in course_lib/memory/radix_cache.py (SGLang's "
+        "Read RadixCache.match_prefix in course_lib/memory/radix/radix_cache.py (SGLang's "
         "srt/mem_cache/radix_cache.py).",
     ), solution=solutions.radix_hit, wrong=(
         _blocks_only,
@@ -219,7 +220,7 @@ EXERCISES = Exercises(
         "new block), req.blocks = held + hits + new, and cache the full blocks only: "
         "pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, "
         "total // block_size), then req.num_cached_block = total // block_size.",
-        "Read KVCacheManager.allocate_slots in course_lib/memory/kv_cache_manager.py, then "
+        "Read KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py, then "
         "vLLM 0.33.0's allocate_slots in vllm/v1/core/kv_cache_manager.py and "
         "get_num_blocks_to_allocate in vllm/v1/core/single_type_kv_cache_manager.py (where "
         "the evictable hits are counted).",

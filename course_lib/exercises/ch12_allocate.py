@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from course_lib.exercises import Verdict, replay_ops
-from course_lib.memory.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from course_lib.memory.kv_cache_manager import KVCacheManager
+from course_lib.memory.v1.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from course_lib.memory.v1.kv_cache_manager import KVCacheManager
+from course_lib.sizing.units import cdiv
 
 
 def chain_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
@@ -102,7 +103,7 @@ class LibraryRun:
         hits = [] if held else m.get_computed_blocks(seq, self.prompts[seq])[0]
         total = self.done[seq] + len(hits) * bs + n
         return dict(admission=not held, hits=hits, total=total, free=m.num_free_gpu_blocks,
-                    new=-(-total // bs) - len(held) - len(hits),
+                    new=cdiv(total, bs) - len(held) - len(hits),
                     evictable=[b.block_id for b in hits if b.ref_cnt == 0])
 
     def step(self, seq: int, n: int) -> list[int] | None:

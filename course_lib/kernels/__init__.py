@@ -35,6 +35,8 @@ import re
 
 import torch
 
+from ..sizing.units import cdiv
+
 TRITON = "triton"
 REFERENCE = "reference"
 # The interpreter runs ~one numpy call per tl operation; past this many (token x KV head) reads,
@@ -109,7 +111,7 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             raise ValueError(f"sequence {s}: need 1 <= query_len <= seq_len <= {capacity} "
                              f"(max_blocks x block_size), got query_len {b - a}, seq_len {n}")
         if bad_entry[s]:
-            entries = block_tables[s, :-(-n // block_size)].tolist()
+            entries = block_tables[s, :cdiv(n, block_size)].tolist()
             raise ValueError(f"sequence {s}: block table entries must be in "
                              f"0..{num_blocks - 1}, got {entries}")
 

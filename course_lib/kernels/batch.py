@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..sizing.units import cdiv
+
 
 class PagedBatch(NamedTuple):
     query: torch.Tensor            # [num_tokens, num_heads, head_dim], packed new tokens
@@ -48,7 +50,7 @@ def make_paged_batch(seq_lens: list[int], query_lens: list[int] | None = None, *
         if not 1 <= q <= n:
             raise ValueError(f"need 1 <= query_len <= seq_len, got {q} and {n}")
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    blocks_per_seq = [cdiv(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(shape, fill, dtype=dtype)

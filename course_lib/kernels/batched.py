@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sizing.units import cdiv
+
 
 def paged_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -46,7 +48,7 @@ def paged_attention_batched(query: torch.Tensor, key_cache: torch.Tensor,
     num_seqs = lens.shape[0]
     max_len = int(lens.max()) if max_seq_len is None else max_seq_len
     max_q = int(q_lens.max()) if max_query_len is None else max_query_len
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     tables = block_tables[:, :num_blocks].to(dev).long().clamp(min=0)  # [S, nb]
     # K/V of every sequence, padded: [S, nb * block_size, H_kv, d] (slots past a length:
     # garbage, masked below)

@@ -20,7 +20,7 @@ import torch
 
 from course_lib.device import BACKEND
 from course_lib.kernels.launch import Launch
-from course_lib.kernels.tiles import cdiv, next_power_of_2
+from course_lib.sizing.units import cdiv, next_power_of_two
 
 if BACKEND.uses_triton:
     import triton
@@ -119,7 +119,7 @@ def reshape_and_cache_launch(key: torch.Tensor, value: torch.Tensor, key_cache: 
         key, value, key_cache, value_cache, slot_mapping.contiguous(), *key.stride(),
         *value.stride(), *key_cache.stride(), *value_cache.stride()), dict(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
-        TILE=next_power_of_2(num_kv_heads * head_dim), num_warps=4, num_stages=1))
+        TILE=next_power_of_two(num_kv_heads * head_dim), num_warps=4, num_stages=1))
 
 
 def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -149,7 +149,7 @@ def copy_blocks_launch(key_cache: torch.Tensor, value_cache: torch.Tensor,
     """The kernel launch of :func:`copy_blocks` (no checks; at least one pair)."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     per_block = block_size * num_kv_heads * head_dim
-    tile = min(tile, next_power_of_2(per_block))
+    tile = min(tile, next_power_of_two(per_block))
     return Launch(_copy_blocks_kernel, (block_mapping.shape[0], cdiv(per_block, tile)), (
         key_cache, value_cache, block_mapping, *key_cache.stride(), *value_cache.stride(),
         *block_mapping.stride()), dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

@@ -20,7 +20,8 @@ import torch
 
 from course_lib.device import BACKEND
 from course_lib.kernels.launch import Launch
-from course_lib.kernels.tiles import PrefillTiles, cdiv, dot_precision, prefill_tiles
+from course_lib.kernels.tiles import PrefillTiles, dot_precision, prefill_tiles
+from course_lib.sizing.units import cdiv
 
 if BACKEND.uses_triton:
     import triton

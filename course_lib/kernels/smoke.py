@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.device import BACKEND
+from course_lib.sizing.units import cdiv
 
 if BACKEND.uses_triton:
     import triton
@@ -32,7 +33,7 @@ def num_programs(n: int, block_size: int) -> int:
     """How many programs of ``block_size`` lanes cover ``n`` elements (``triton.cdiv``)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    return -(-n // block_size)
+    return cdiv(n, block_size)
 
 
 def add_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -22,14 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def next_power_of_2(n: int) -> int:
-    """Smallest power of two >= ``n`` (``n >= 1``); Triton's ``tl.arange`` needs powers of two."""
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from course_lib.sizing.units import cdiv, next_power_of_two
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -52,7 +45,7 @@ class DecodeTiles:
 
     @property
     def splits_pad(self) -> int:
-        return next_power_of_2(self.num_splits)
+        return next_power_of_two(self.num_splits)
 
 
 @dataclass(frozen=True)
@@ -80,15 +73,15 @@ def decode_tiles(*, head_dim: int, group: int, max_seq_len: int, num_seqs: int,
     """Tiles for decode. ``group`` = num_heads // num_kv_heads; ``num_sms`` of the GPU.
     ``tile_n``, ``num_warps``, ``num_stages`` override the GPU defaults (``bench/kernels.py
     --sweep`` measures the alternatives); the split rule is the same for any of them."""
-    head_pad = next_power_of_2(head_dim)
+    head_pad = next_power_of_two(head_dim)
     if interpreted:
-        tile_n = min(128, next_power_of_2(max_seq_len))
-        return DecodeTiles(tile_n, head_pad, next_power_of_2(group), 1,
+        tile_n = min(128, next_power_of_two(max(max_seq_len, 1)))
+        return DecodeTiles(tile_n, head_pad, next_power_of_two(group), 1,
                            cdiv(max_seq_len, tile_n) * tile_n, upcast=True)
     head_pad = max(16, head_pad)  # tl.dot needs K >= 16 on a GPU
     if tile_n is None:
         tile_n = 64 if head_pad <= 128 else 32
-    group_pad = max(16, next_power_of_2(group))
+    group_pad = max(16, next_power_of_two(group))
     tiles_per_seq = cdiv(max_seq_len, tile_n)
     programs = num_seqs * num_kv_heads
     # Enough programs for ~4 per SM (a small batch must still fill the GPU: 1 x 4096 tokens,
@@ -109,11 +102,11 @@ def prefill_tiles(*, head_dim: int, group: int, max_query_len: int, max_seq_len:
     registers: float32 inputs (``dtype_bytes == 4``) double the bytes of Q, K and V, so they take
     narrower K/V tiles, and at head_dim 128 also 8 warps (with 4, registers spill: measured by
     ``python -m course_lib.kernels.aot``)."""
-    head_pad = next_power_of_2(head_dim)
-    group_pad = next_power_of_2(group)
+    head_pad = next_power_of_two(head_dim)
+    group_pad = next_power_of_two(group)
     if interpreted:
-        block_m = max(group_pad, min(128, group_pad * next_power_of_2(max_query_len)))
-        tile_n = min(128, next_power_of_2(max_seq_len))
+        block_m = max(group_pad, min(128, group_pad * next_power_of_two(max(max_query_len, 1))))
+        tile_n = min(128, next_power_of_two(max(max_seq_len, 1)))
         return PrefillTiles(block_m, group_pad, tile_n, head_pad, upcast=True)
     head_pad = max(16, head_pad)  # tl.dot needs K >= 16 on a GPU
     block_m = max(64, group_pad) if head_pad <= 128 else max(32, group_pad)

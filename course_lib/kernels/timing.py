@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..sizing.units import cdiv
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 
 # Peak HBM bandwidth in GB/s (1e9 bytes/s) from the vendors' data sheets, by a substring of
@@ -44,7 +46,7 @@ def kv_bytes_read(seq_lens: list[int], num_kv_heads: int, head_dim: int,
 
 def block_waste(seq_lens: list[int], block_size: int) -> float:
     """Fraction of allocated slots left empty in the sequences' last blocks."""
-    allocated = sum(-(-n // block_size) * block_size for n in seq_lens)
+    allocated = sum(cdiv(n, block_size) * block_size for n in seq_lens)
     return 1 - sum(seq_lens) / allocated
 
 

@@ -31,11 +31,12 @@ from typing import NamedTuple
 
 import torch
 
-from course_lib.kernels.tiles import cdiv, decode_tiles
+from course_lib.kernels.tiles import decode_tiles
+from course_lib.sizing.units import cdiv
 
 
 def _num_logical_blocks(seq_len: int, block_size: int) -> int:
-    return -(-seq_len // block_size)
+    return cdiv(seq_len, block_size)
 
 
 def article_paged_attention(query: torch.Tensor, key_cache: torch.Tensor,

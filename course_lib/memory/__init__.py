@@ -1,14 +1,31 @@
-"""The block manager: pure Python, no torch. See ``manager.BlockManager``."""
+"""KV-cache memory: block tables, pools, prefix caches. Pure Python, no torch.
 
-from .block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from .block_table import BlockTable, cdiv
-from .kv_cache_manager import KVCacheManager
-from .manager import AllocStatus, BlockManager, BlockUsage, ManagerSnapshot, PrefixCacheStats
-from .pool import BlockAllocator, NoFreeBlocksError
-from .prefix_cache import ROOT_HASH, BlockKey, PrefixCache
-from .radix_kv_cache_manager import RadixKVCacheManager
+Three designs, one folder each; none imports another's modules, all share the modules at
+this level (``tests/test_layers.py`` checks it):
 
-__all__ = ["AllocStatus", "BlockAllocator", "BlockKey", "BlockManager", "BlockPool",
-           "BlockTable", "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager",
-           "BlockUsage", "ManagerSnapshot", "NoFreeBlocksError", "PrefixCache",
-           "PrefixCacheStats", "ROOT_HASH", "RadixKVCacheManager", "cdiv"]
+``common.py``        what every design answers alike: ``AllocStatus``, ``BlockUsage``,
+                     ``PrefixCacheStats``, the block states ``HELD`` / ``FREE`` / ``EVICTABLE``,
+                     ``check_watermark``
+``v1_interface.py``  ``V1ManagerBase``: the V1 calls that both ``v1/`` and ``radix/`` answer
+
+``v0/``      the paper's design and vLLM V0's (chapters 03-07, 10, 11). Read in this order:
+             ``block_table.py`` (``BlockTable``: logical -> physical blocks of one sequence),
+             ``pool.py`` (``BlockAllocator``: reference counts, the free stack, the LRU of
+             evictable cached blocks), ``prefix_cache.py`` (the chained block hash and
+             ``PrefixCache``: verified lookups), ``manager.py`` (``BlockManager``, whole:
+             allocate, append with copy-on-write, fork, free, mark computed, swap, groups,
+             usage, snapshot, invariants). ``fast.py``: ``FastBlockManager``, the scheduler's
+             twin of ``BlockManager`` (fused decode, memoized matching), checked against it.
+``v1/``      vLLM V1's design (0.33.0; chapter 12): ``block_pool.py`` (``KVCacheBlock``, the
+             doubly linked ``FreeKVCacheBlockQueue``, ``BlockPool``, sha256 chained hashes),
+             ``kv_cache_manager.py`` (``KVCacheManager``: ``get_computed_blocks``,
+             ``allocate_slots``, ``free``).
+``radix/``   SGLang's design (0.5.23; chapters 06, 12), as its ``RadixCache`` has it (the
+             server's ``UnifiedRadixCache`` keeps the algorithm): ``radix_cache.py``
+             (``RadixCache``: a radix tree over token ids, lock refs, LRU eviction of
+             unlocked leaves), ``allocator.py`` (its slot pools), ``kv_cache_manager.py``
+             (``RadixKVCacheManager``: the V1 calls over the tree), ``snapshot.py``.
+
+Import each name from the module that defines it, e.g.
+``from course_lib.memory.v0.manager import BlockManager``.
+"""

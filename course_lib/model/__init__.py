@@ -6,21 +6,7 @@
 * ``llama``      :class:`TinyLlama`: paged ``forward`` and dense ``forward_contiguous``
 * ``generate``   contiguous-cache generation, the reference for the paged engine
 * ``loader``     :func:`load_tiny_model` (offline, from ``weights/``)
+
+Nothing is imported here: import the module that defines what you need
+(``from course_lib.model.loader import load_tiny_model``).
 """
-
-from course_lib.model.attention import (
-    AttentionMetadata,
-    make_attention_metadata,
-    paged_attention_layer,
-)
-from course_lib.model.config import ModelConfig
-from course_lib.model.generate import generate_contiguous, sample_next
-from course_lib.model.llama import TinyLlama, allocate_kv_caches
-from course_lib.model.loader import heldout_text, load_metadata, load_tiny_model
-from course_lib.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
-
-__all__ = [
-    "AttentionMetadata", "make_attention_metadata", "paged_attention_layer", "ModelConfig",
-    "generate_contiguous", "sample_next", "TinyLlama", "allocate_kv_caches", "heldout_text",
-    "load_metadata", "load_tiny_model", "BOS_ID", "EOS_ID", "PAD_ID", "ByteTokenizer",
-]

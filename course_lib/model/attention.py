@@ -17,6 +17,7 @@ import torch
 
 from course_lib.kernels.backends import AttentionBackend
 from course_lib.kernels.reference import slot_mapping
+from course_lib.sizing.units import cdiv
 
 
 @dataclass
@@ -87,7 +88,7 @@ def make_attention_metadata(block_tables: list[list[int]], context_lens: list[in
         if ctx < 0 or q < 1:
             raise ValueError(f"need context_len >= 0 and query_len >= 1, got {ctx}, {q}")
         slots += slot_mapping(table, list(range(ctx, ctx + q)), block_size)
-        used = table[:-(-(ctx + q) // block_size)]
+        used = table[:cdiv(ctx + q, block_size)]
         if any(b < 0 or (num_blocks is not None and b >= num_blocks) for b in used):
             valid = "0.." + (str(num_blocks - 1) if num_blocks is not None else "")
             raise ValueError(f"block table {table}: the blocks of its {ctx + q} tokens must be "

@@ -5,8 +5,10 @@
 * ``rank_cache`` one rank's paged KV cache: its own BlockManager and K/V tensors
 * ``cp_decode``  one sequence's cache split by tokens over ranks; broadcast Q, merge the LSEs
 * ``mla``        Multi-head Latent Attention: the latent cache and weight absorption
-* ``strategy``   DP / DP-attention / CP compared (``deployment``: one plan's memory per GPU;
-               ``decision_tree``: the long-context decision tree)
+* ``strategy``   DP / DP-attention / CP compared (the tutorial's §7 table, in numbers)
+* ``deployment`` one deployment (model, GPU memory, TP, CP) in numbers: ``plan``
+* ``decision_tree`` the tutorial's §10 long-context decision tree: ``recommend``
+* ``dcp``        vLLM's decode context parallelism (DCP) for an MLA model
 
 Submodules load on demand (``from course_lib.parallel import merge``).
 """

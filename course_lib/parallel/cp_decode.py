@@ -1,9 +1,10 @@
 """Context-parallel decode over ``torch.distributed``: one sequence's KV cache split by tokens.
 
 The "Block Manager tutorial", §5.3 and §8: each of ``cp_size`` ranks keeps a different part of
-the sequence's tokens in its *own* paged cache (its own :class:`~course_lib.memory.BlockManager`
-and its own ``key_cache`` / ``value_cache`` tensors), so one request can hold ``cp_size`` times
-more tokens. A decode step moves the query, not the cache:
+the sequence's tokens in its *own* paged cache (its own
+:class:`~course_lib.memory.v0.manager.BlockManager` and its own ``key_cache`` / ``value_cache``
+tensors), so one request can hold ``cp_size`` times more tokens. A decode step moves the query,
+not the cache:
 
 1. broadcast Q: the rank that runs the new token sends its query to every rank;
 2. local partial attention: each rank attends over its own tokens -> ``out_r``, ``lse_r``;

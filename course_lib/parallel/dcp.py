@@ -4,7 +4,7 @@ vLLM 0.33.0 (``vllm/config/parallel.py``) shards the decode KV cache by tokens o
 the tensor-parallel group (``tensor_parallel_size % decode_context_parallel_size == 0`` without
 prefill context parallelism), where the article's CP adds GPUs. For MLA this removes the
 duplication TP leaves: the latent has no heads to split, so without DCP every TP rank stores all
-of it. Sizing reuses :func:`course_lib.parallel.strategy.plan` with CP = 1.
+of it. Sizing reuses :func:`course_lib.parallel.deployment.plan` with CP = 1.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib import capacity as cap
-from course_lib.parallel.strategy import DeploymentPlan, context_note, gib, plan
+from course_lib.parallel.deployment import DeploymentPlan, context_note, gib, plan
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import check_int, format_bytes
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,8 @@ class DCPPlan:
             f"{gib(p.gpu_memory_gib)} GiB, TP={p.tensor_parallel_size}, DCP={dcp} (vLLM's "
             f"decode context parallelism: the TP ranks split the tokens, no extra GPU), "
             f"gpu_memory_utilization={p.gpu_memory_utilization}",
-            f"per GPU: weights {cap.format_bytes(p.weight_bytes_per_gpu)}, KV budget "
-            f"{cap.format_bytes(p.available_kv_bytes)}, block {cap.format_bytes(p.block_bytes)}"
+            f"per GPU: weights {format_bytes(p.weight_bytes_per_gpu)}, KV budget "
+            f"{format_bytes(p.available_kv_bytes)}, block {format_bytes(p.block_bytes)}"
             f" -> {p.num_gpu_blocks:,} blocks = {self.tokens_per_rank:,} token slots",
             f"latent per token, all layers: {full:,} B on every rank without DCP, "
             f"{self.latent_bytes_per_token_per_rank:,.0f} B per rank with DCP={dcp}",
@@ -68,7 +70,7 @@ class DCPPlan:
         ])
 
 
-def dcp_plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int,
+def dcp_plan(spec: ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int,
              decode_context_parallel_size: int, **kwargs: object) -> DCPPlan:
     """Size TP=``tensor_parallel_size`` with DCP=``decode_context_parallel_size`` (vLLM
     0.33.0, PCP=1), for an MLA model; ``kwargs`` go to :func:`plan` (CP stays 1).
@@ -76,7 +78,7 @@ def dcp_plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: i
     ValueError, as vLLM's ``ParallelConfig`` raises it, when DCP does not divide TP (so
     "TP=1, CP=4" has no DCP spelling), and for a non-MLA model (not modelled here)."""
     tp, dcp = tensor_parallel_size, decode_context_parallel_size
-    cap._check_int("decode_context_parallel_size", dcp, 1)
+    check_int("decode_context_parallel_size", dcp, 1)
     if not spec.is_mla:
         raise ValueError(f"dcp_plan sizes MLA models (every TP rank holds the whole latent); "
                          f"{spec.name} is {spec.attention_type}")

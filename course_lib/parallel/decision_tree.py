@@ -4,15 +4,15 @@
 walks it for a model and a target context length, returning a :class:`Recommendation`: the
 questions asked, the advice, and the smallest :func:`~course_lib.parallel.deployment.plan`
 that holds the request (flagged when the request is longer than the model's context).
-:mod:`course_lib.parallel.strategy` re-exports every public name here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib import capacity as cap
 from course_lib.parallel.deployment import DeploymentPlan, plan
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import check_int
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Recommendation:
         return f"{head}\n=> {self.advice}{flag}\n{tail}"
 
 
-def _first_fit(spec: cap.ModelSpec, context_len: int, gpu_memory_gib: float,
+def _first_fit(spec: ModelSpec, context_len: int, gpu_memory_gib: float,
                sizes: list[tuple[int, int, int]]) -> DeploymentPlan | None:
     """The first (tp, cp, num_gpus) of ``sizes``, at utilization 0.9 then 0.95, that holds
     the request (weights that do not fit skip a size)."""
@@ -83,7 +83,7 @@ def _first_fit(spec: cap.ModelSpec, context_len: int, gpu_memory_gib: float,
     return None
 
 
-def recommend(spec: cap.ModelSpec, context_len: int, gpu_memory_gib: float,
+def recommend(spec: ModelSpec, context_len: int, gpu_memory_gib: float,
               max_gpus: int = 8) -> Recommendation:
     """Walk :data:`DECISION_TREE` for one request of ``context_len`` tokens on up to
     ``max_gpus`` (a power of two) GPUs of ``gpu_memory_gib``: the smallest setup that holds it.
@@ -92,8 +92,8 @@ def recommend(spec: cap.ModelSpec, context_len: int, gpu_memory_gib: float,
     DP attention (TP=1) and CP grows 1, 2, 4, ... GQA: TP grows 1, 2, ... up to num_kv_heads
     (the KV heads split), then CP is added. Each size is tried at utilization 0.9, then 0.95.
     """
-    cap._check_int("context_len", context_len, 1)
-    cap._check_int("max_gpus", max_gpus, 1)
+    check_int("context_len", context_len, 1)
+    check_int("max_gpus", max_gpus, 1)
     if max_gpus & (max_gpus - 1):
         raise ValueError(f"max_gpus must be a power of two, got {max_gpus}")
     pow2 = [2 ** i for i in range(max_gpus.bit_length())]

@@ -4,7 +4,7 @@
 blocks and tokens per GPU, tokens in the whole deployment, the longest single request, decode
 traffic per step, and a summary that prints them. :func:`article_case` is the "Block Manager
 tutorial" §9's deployment. All arithmetic is :mod:`course_lib.capacity`'s; this module only
-composes it. :mod:`course_lib.parallel.strategy` re-exports every name here.
+composes it. :mod:`course_lib.parallel.strategy` compares strategies with it.
 
 Simplification, stated: a deployment is ``num_gpus = DP x TP x CP`` GPUs (DP: independent
 groups serving different requests). Weights per GPU are the weights / TP for a dense model
@@ -17,14 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB
+from course_lib.sizing import blocks
+from course_lib.sizing.blocks import tokens_that_fit
+from course_lib.sizing.models import ModelSpec, get_preset
+from course_lib.sizing.units import GiB, check_int, format_bytes
 
 
 @dataclass(frozen=True)
 class DeploymentPlan:
     """One deployment in numbers (per GPU unless named otherwise)."""
 
-    model: cap.ModelSpec
+    model: ModelSpec
     gpu_memory_gib: float
     tensor_parallel_size: int
     context_parallel_size: int
@@ -54,7 +57,7 @@ class DeploymentPlan:
 
     @property
     def tokens_per_gpu(self) -> int:
-        return cap.tokens_that_fit(self.num_gpu_blocks, self.block_size)
+        return tokens_that_fit(self.num_gpu_blocks, self.block_size)
 
     @property
     def max_request_tokens(self) -> int:
@@ -99,26 +102,26 @@ class DeploymentPlan:
         cp_label = (f" (the article's CP: extra GPUs, each caching 1/{cp} of a request's tokens)"
                     if cp > 1 else "")
         if self.blocks_given:
-            pool = (f"KV pool {cap.format_bytes(self.available_kv_bytes)} = "
-                    f"{self.num_gpu_blocks:,} blocks x {cap.format_bytes(self.block_bytes)} "
+            pool = (f"KV pool {format_bytes(self.available_kv_bytes)} = "
+                    f"{self.num_gpu_blocks:,} blocks x {format_bytes(self.block_bytes)} "
                     f"({self.blocks_source}, not derived from memory) ->")
         else:
-            pool = (f"KV budget {cap.format_bytes(self.available_kv_bytes)}, block "
-                    f"{cap.format_bytes(self.block_bytes)} -> {self.num_gpu_blocks:,} blocks =")
+            pool = (f"KV budget {format_bytes(self.available_kv_bytes)}, block "
+                    f"{format_bytes(self.block_bytes)} -> {self.num_gpu_blocks:,} blocks =")
         lines = [
             f"{m.name} ({m.attention_type}) on {self.num_gpus} x {gib(self.gpu_memory_gib)} GiB, "
             f"DP={self.data_parallel_size}, TP={self.tensor_parallel_size}, CP={cp}{cp_label}, "
             f"gpu_memory_utilization={self.gpu_memory_utilization}",
-            f"per GPU: weights {cap.format_bytes(self.weight_bytes_per_gpu)}, {pool} "
+            f"per GPU: weights {format_bytes(self.weight_bytes_per_gpu)}, {pool} "
             f"{self.tokens_per_gpu:,} tokens; all GPUs: {self.total_tokens:,} tokens",
         ]
         if self.blocks_given and self.memory_error:
             usable = round(self.gpu_memory_gib * GiB * self.gpu_memory_utilization)
             lines.append(
                 f"memory check: {gib(self.gpu_memory_gib)} GiB x {self.gpu_memory_utilization} = "
-                f"{cap.format_bytes(usable)} - weights "
-                f"{cap.format_bytes(self.weight_bytes_per_gpu)} = "
-                f"{cap.format_bytes(self.memory_budget_bytes)}: the weights do not fit, and "
+                f"{format_bytes(usable)} - weights "
+                f"{format_bytes(self.weight_bytes_per_gpu)} = "
+                f"{format_bytes(self.memory_budget_bytes)}: the weights do not fit, and "
                 "capacity.available_kv_bytes (chapter 08's plan_kv_cache) refuses this setup")
         lines.append(f"longest single request: {self.tokens_per_gpu:,} x {cp} "
                      f"= {self.max_request_tokens:,} tokens")
@@ -126,12 +129,12 @@ class DeploymentPlan:
             lines.append(note)
         if self.context_parallel_size > 1:
             lines.append(f"decode step, all {m.num_layers} layers: move Q "
-                         f"{cap.format_bytes(self.query_bytes_per_step)} vs move KV "
-                         f"{cap.format_bytes(self.move_kv_bytes_per_step)}")
+                         f"{format_bytes(self.query_bytes_per_step)} vs move KV "
+                         f"{format_bytes(self.move_kv_bytes_per_step)}")
         return "\n".join(lines)
 
 
-def context_note(spec: cap.ModelSpec, split_tokens: int) -> str:
+def context_note(spec: ModelSpec, split_tokens: int) -> str:
     """A line when context parallelism lets one request hold more than the context ``spec``
     was built for (its max_position_embeddings: vLLM 0.33.0's default max_model_len, and a
     longer one is refused unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, ``vllm/config/model.py``)."""
@@ -147,12 +150,12 @@ def gib(value: float) -> str:
     return f"{round(value, 1):g}"
 
 
-def weight_bytes_per_gpu(spec: cap.ModelSpec, tp: int, num_gpus: int) -> int:
+def weight_bytes_per_gpu(spec: ModelSpec, tp: int, num_gpus: int) -> int:
     """The module's stated simplification (see the docstring)."""
     return round(spec.weight_bytes / (num_gpus if spec.is_mla else tp))
 
 
-def plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int = 1,
+def plan(spec: ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int = 1,
          context_parallel_size: int = 1, *, gpu_memory_utilization: float = 0.9,
          block_size: int = 16, num_gpus: int | None = None, weight_gib: float | None = None,
          overhead_gib: float = 0.0, num_gpu_blocks: int | None = None,
@@ -164,10 +167,10 @@ def plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int =
     came from (the summary prints it, and checks the memory anyway). ValueError (from capacity)
     when the weights do not fit or a size is invalid."""
     tp, cp = tensor_parallel_size, context_parallel_size
-    cap._check_int("context_parallel_size", cp, 1)
+    check_int("context_parallel_size", cp, 1)
     blk = cap.block_bytes(spec, block_size, tp)              # validates block_size and TP
     num_gpus = tp * cp if num_gpus is None else num_gpus
-    cap._check_int("num_gpus", num_gpus, 1)
+    check_int("num_gpus", num_gpus, 1)
     if num_gpus % (tp * cp):
         raise ValueError(f"num_gpus={num_gpus} must be a multiple of TP x CP = {tp * cp}")
     weights = (weight_bytes_per_gpu(spec, tp, num_gpus) if weight_gib is None
@@ -176,9 +179,9 @@ def plan(spec: cap.ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int =
         blocks_source = None
         avail = cap.available_kv_bytes(round(gpu_memory_gib * GiB), gpu_memory_utilization,
                                        weights, overhead_bytes=round(overhead_gib * GiB))
-        num_gpu_blocks = cap.num_gpu_blocks(avail, blk)
+        num_gpu_blocks = blocks.num_gpu_blocks(avail, blk)    # the argument shadows it
     else:
-        cap._check_int("num_gpu_blocks", num_gpu_blocks, 0)
+        check_int("num_gpu_blocks", num_gpu_blocks, 0)
         avail = num_gpu_blocks * blk
     longest = cap.context_parallel_capacity(num_gpu_blocks, block_size, cp)
     return DeploymentPlan(spec, gpu_memory_gib, tp, cp, gpu_memory_utilization, block_size,
@@ -191,5 +194,5 @@ def article_case() -> DeploymentPlan:
     """The "Block Manager tutorial" §9: DeepSeek-V3 on 8 x H100 80G, TP=2, CP=4, vLLM
     reporting 3,258 blocks. The pool is the article's block count: memory arithmetic refuses
     this setup (``memory_error``), since the FP8 weights alone exceed 80 GiB x 0.9."""
-    return plan(cap.get_preset("deepseek-v3"), 80, 2, 4, num_gpu_blocks=3258,
+    return plan(get_preset("deepseek-v3"), 80, 2, 4, num_gpu_blocks=3258,
                 blocks_source="the article's count")

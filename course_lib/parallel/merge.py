@@ -14,7 +14,9 @@ Full attention over the union of disjoint pieces is then an exact weighted sum::
 because ``exp(lse_P - lse)`` is exactly the share of the softmax mass that falls in piece P.
 Only ``out_P`` (one row per head) and ``lse_P`` (one number per head) cross the network: this
 is why "move Q" is cheap and "move KV" is not. The merge is associative and order-independent,
-so a tree, a ring or an all-reduce can compute it. Pure torch; no process group here.
+so a tree, a ring or an all-reduce can compute it. Pure torch; no process group here. The same
+merge of two pieces (what split-K decode does) is ``merge_attn_states`` in
+``kernels/reference.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from course_lib.kernels.reference import merge_attn_states
-
-__all__ = ["merge_attn_states", "merge_partials", "partial_attention", "split_ranges"]
 
 
 def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -28,9 +28,10 @@ import torch
 
 from course_lib import capacity as cap
 from course_lib.parallel.merge import partial_attention
+from course_lib.sizing.models import ModelSpec
 
 
-def latent_bytes_per_token(spec: cap.ModelSpec, tensor_parallel_size: int = 1) -> int:
+def latent_bytes_per_token(spec: ModelSpec, tensor_parallel_size: int = 1) -> int:
     """MLA cache bytes per token over all layers on one rank: layers x (d_c + d_rope) x bytes.
 
     The formula of the "Block Manager tutorial" (§10), checked against
@@ -46,14 +47,14 @@ def latent_bytes_per_token(spec: cap.ModelSpec, tensor_parallel_size: int = 1) -
     return value
 
 
-def expanded_mha_bytes_per_token(spec: cap.ModelSpec) -> int:
+def expanded_mha_bytes_per_token(spec: ModelSpec) -> int:
     """What the same model would cache if it stored per-head K (nope + rope) and V, like MHA."""
     k = spec.num_attention_heads * (spec.head_dim + spec.qk_rope_head_dim)
     v = spec.num_attention_heads * spec.head_dim
     return spec.num_layers * (k + v) * spec.dtype_bytes
 
 
-def cache_bytes_by_tp(spec: cap.ModelSpec, tp_sizes: list[int]) -> dict[int, int]:
+def cache_bytes_by_tp(spec: ModelSpec, tp_sizes: list[int]) -> dict[int, int]:
     """Per-rank cache bytes per token for each TP size: flat for MLA, falling for MHA/GQA."""
     return {tp: cap.kv_bytes_per_token(spec, tp) for tp in tp_sizes}
 

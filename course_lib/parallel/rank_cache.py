@@ -3,7 +3,8 @@
 A rank holds only *its* tokens of a sequence (which ones is the placement's business, see
 :mod:`course_lib.parallel.cp_decode`), in the vLLM layout of chapter 04: ``key_cache`` and
 ``value_cache`` of ``[num_blocks, block_size, num_kv_heads, head_dim]``, addressed through the
-sequence's block table from a :class:`~course_lib.memory.BlockManager` (chapter 03). Writing uses
+sequence's block table from a :class:`~course_lib.memory.v0.manager.BlockManager`
+(chapter 03). Writing uses
 the kernels' ``reshape_and_cache`` reference, reading their ``gather_kv``; attention over the
 rank's tokens returns the partial output *and* its log-sum-exp, for the merge.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from course_lib.kernels.reference import gather_kv, reshape_and_cache_ref
-from course_lib.memory import AllocStatus, BlockManager
+from course_lib.memory.common import AllocStatus
+from course_lib.memory.v0.manager import BlockManager
 from course_lib.parallel.merge import partial_attention
 
 

@@ -1,47 +1,32 @@
-"""Which parallelism for long contexts: the "Block Manager tutorial"'s §7 and §10 decision tree.
+"""Which parallelism for long contexts: the "Block Manager tutorial"'s §7 table, in numbers.
 
-* :data:`STRATEGIES` -- DP, DP attention and context parallelism side by side (what each splits,
-  what a rank's KV cache holds, the single-request limit, throughput, communication per layer).
-* :func:`plan` -- one deployment (model, GPU memory, TP, CP) in numbers: blocks and tokens per
-  GPU, tokens in the whole deployment, the longest single request, decode traffic per step.
-  All arithmetic is :mod:`course_lib.capacity`'s; this module only composes it.
-* :data:`DECISION_TREE` and :func:`recommend` -- the article's tree as data, walked for a model
-  and a target context length (flagged when the request is longer than the model's context).
-* :func:`course_lib.parallel.dcp.dcp_plan` -- what vLLM 0.33.0 offers instead for MLA: decode
-  context parallelism (DCP) inside the TP group, which splits the latent cache by tokens over
-  ranks that already exist.
+This module holds :data:`STRATEGIES` -- DP, DP attention and context parallelism side by side
+(what each splits, what a rank's KV cache holds, the single-request limit, throughput,
+communication per layer) -- and their comparison in numbers. Beside it, one module a job:
+
+* ``parallel/deployment.py``: ``plan`` -- one deployment (model, GPU memory, TP, CP) in
+  numbers: blocks and tokens per GPU, tokens in the whole deployment, the longest single
+  request, decode traffic per step (``DeploymentPlan``, ``article_case``, the stated
+  simplification of weights per GPU). All arithmetic is :mod:`course_lib.capacity`'s.
+* ``parallel/decision_tree.py``: ``DECISION_TREE`` and ``recommend`` -- the article's §10 tree
+  as data, walked for a model and a target context length (flagged when the request is longer
+  than the model's context).
+* ``parallel/dcp.py``: ``dcp_plan`` -- what vLLM 0.33.0 offers instead for MLA: decode context
+  parallelism (DCP) inside the TP group, which splits the latent cache by tokens over ranks
+  that already exist.
 
 "CP" here is the article's: extra GPUs, each caching a slice of every long request's tokens.
 vLLM 0.33.0 (``vllm/config/parallel.py``) splits that idea in two: DCP shards the decode KV
 cache over the TP ranks (``tensor_parallel_size % decode_context_parallel_size == 0`` without
 PCP) and prefill context parallelism (PCP) adds ranks but alone does not shard the decode cache.
-
-The sizing lives in :mod:`course_lib.parallel.deployment` (:func:`plan`, :class:`DeploymentPlan`,
-the stated simplification of weights per GPU) and the tree in
-:mod:`course_lib.parallel.decision_tree`; this module keeps the §7 table and its comparison in
-numbers and re-exports both, so ``strategy.plan`` and ``strategy.recommend`` reach them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib import capacity as cap
-from course_lib.parallel.decision_tree import (  # noqa: F401  (re-exported)
-    ADVICE,
-    DECISION_TREE,
-    Node,
-    Recommendation,
-    recommend,
-)
-from course_lib.parallel.deployment import (  # noqa: F401  (re-exported)
-    DeploymentPlan,
-    article_case,
-    context_note,
-    gib,
-    plan,
-    weight_bytes_per_gpu,
-)
+from course_lib.parallel.deployment import DeploymentPlan, plan
+from course_lib.sizing.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -67,7 +52,7 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 
-def compare_strategies(spec: cap.ModelSpec, gpu_memory_gib: float, num_gpus: int,
+def compare_strategies(spec: ModelSpec, gpu_memory_gib: float, num_gpus: int,
                        tensor_parallel_size: int = 1, context_parallel_size: int = 2,
                        **kwargs: object) -> dict[str, DeploymentPlan]:
     """The "Block Manager tutorial" §7 in numbers: the same ``num_gpus`` GPUs used as DP groups

@@ -12,7 +12,8 @@ Room for a decode step or a swap-in is the block manager's own answer
 from __future__ import annotations
 
 from ..config import SchedulerConfig
-from ..memory import AllocStatus, BlockManager
+from ..memory.common import AllocStatus
+from ..memory.v0.manager import BlockManager
 from ..sequence import Request, Sequence
 
 

@@ -1,22 +1,92 @@
 """After a step: sampled tokens into sequences, parallel samples forked, beams kept or dropped.
 
-vLLM V0 does this in its output processor; here it is one function the scheduler calls from
-``Scheduler.update``, handed exactly what it needs: the block manager (every fork and free goes
-through it, so forked samples share the prompt's blocks, copy-on-write on their first write,
-and dropped beams give their blocks back at once), a source of new sequence ids and
-``max_model_len``. It never sees the scheduler itself.
+vLLM V0 does this in its output processor; here it is two functions.
+
+* :func:`apply_step` is the loop both schedulers' ``update`` run (V0's ``Scheduler`` and
+  ``SchedulerV1``): count each scheduled entry's tokens as computed, group the entries that
+  sampled by request, hand each request's samples to :func:`apply_samples`, collect the
+  requests that finished. Each scheduler passes in only what it does differently (V0 marks
+  computed blocks for its prefix cache; V1 takes finished sequences out of its queues).
+* :func:`apply_samples` does one request's samples, handed exactly what it needs: the block
+  manager (every fork and free goes through it, so forked samples share the prompt's blocks,
+  copy-on-write on their first write, and dropped beams give their blocks back at once), a
+  source of new sequence ids and ``max_model_len``. It never sees the scheduler itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
+from typing import Protocol
 
-from ..memory import BlockManager
-from ..sequence import Request, Sequence, SequenceStatus
-from .output import ScheduledSeq
+from ..config import SchedulerConfig
+from ..memory.v0.manager import BlockManager
+from ..sequence import Request, RequestFailed, Sequence, SequenceStatus
+from .output import ScheduledSeq, SchedulerOutput
 
 Samples = Mapping[int, SequenceABC[tuple[int, float]]]   # seq_id -> (token, logprob) candidates
+
+
+class StepTarget(Protocol):
+    """What :func:`apply_step` reads and writes on the scheduler that calls it (V0 or V1)."""
+
+    block_manager: BlockManager
+    config: SchedulerConfig
+    num_prompt_tokens: int          # vllm:prompt_tokens_total
+    num_generated_tokens: int       # vllm:generation_tokens_total
+
+    def new_seq_id(self) -> int: ...
+
+
+def apply_step(sched: StepTarget, out: SchedulerOutput, samples: Samples, now: float, *,
+               on_computed: Callable[[ScheduledSeq], None] | None = None,
+               on_sampled: Callable[[list[ScheduledSeq]], None] | None = None
+               ) -> list[Request]:
+    """Apply one step's results to ``sched``'s sequences; returns the requests finished now:
+    those that finished in this step, then ``out.ignored`` (finished without running).
+
+    1. Each scheduled entry whose sequence still runs (one aborted in between is skipped): its
+       request's ``first_scheduled_time`` is set, ``num_computed_tokens += num_tokens``, then
+       ``on_computed(entry)``; a prefill's tokens add to ``sched.num_prompt_tokens``, and an
+       entry that sampled joins its request's group.
+    2. Each request that sampled, in the order of its first entry: ``first_token_time`` is
+       set, :func:`apply_samples` appends its tokens (adding to ``sched.num_generated_tokens``;
+       if it raises, :class:`RequestFailed` names that request alone), then
+       ``on_sampled(entries)``; a request now finished gets its ``finished_time``.
+    3. Ignored requests get their ``finished_time``."""
+    bm = sched.block_manager
+    sampled: dict[int, list[ScheduledSeq]] = {}     # request_id -> its entries that sample
+    for e in out.scheduled:
+        seq, req = e.seq, e.request
+        if seq.status != SequenceStatus.RUNNING:
+            continue                                  # aborted in between
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        seq.num_computed_tokens += e.num_tokens
+        if on_computed is not None:
+            on_computed(e)
+        if e.is_prefill:
+            sched.num_prompt_tokens += e.num_tokens
+        if e.num_candidates:
+            sampled.setdefault(req.request_id, []).append(e)
+    finished = []
+    for entries in sampled.values():
+        req = entries[0].request
+        if req.first_token_time is None:
+            req.first_token_time = now
+        try:
+            sched.num_generated_tokens += apply_samples(
+                req, entries, samples, bm, sched.new_seq_id, sched.config.max_model_len)
+        except Exception as exc:       # this request's samples: it alone is to blame
+            raise RequestFailed(req.request_id, exc) from exc
+        if on_sampled is not None:
+            on_sampled(entries)
+        if req.is_finished:
+            req.finished_time = now
+            finished.append(req)
+    for req in out.ignored:
+        req.finished_time = now
+    return finished + out.ignored
 
 
 def _append(seq: Sequence, token: int, logprob: float) -> None:

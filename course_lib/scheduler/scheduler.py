@@ -1,7 +1,11 @@
-"""Continuous batching with preemption: which sequences run in the next step.
+"""The V0 scheduler: which sequences run in the next step, and what the step changed.
 
-The shape of vLLM v0's ``Scheduler`` (``_schedule_running`` / ``_schedule_swapped`` /
-``_schedule_prefills`` / ``_preempt``), simplified. One step:
+The shape of vLLM V0's ``Scheduler`` (``vllm/core/scheduler.py``: ``_schedule_running`` /
+``_schedule_swapped`` / ``_schedule_prefills`` / ``_preempt``), simplified, in one class that
+reads top to bottom: construction, :meth:`Scheduler.schedule` and its passes, preemption,
+:meth:`Scheduler.update`, the request queues, snapshot / restore, ``check_invariants``.
+
+One step is two calls. :meth:`Scheduler.schedule` decides the batch:
 
 1. **Running** requests, decodes first, then prefill chunks, in arrival order. A decode needs
    a slot per sequence (maybe a new block, maybe a copy-on-write copy); when the GPU pool is
@@ -10,31 +14,39 @@ The shape of vLLM v0's ``Scheduler`` (``_schedule_running`` / ``_schedule_swappe
 3. **Waiting** requests are admitted (their whole prompt gets blocks, cache hits reused) if
    nothing was preempted and nothing is swapped out, within what is left of the budget.
 
-Contract with the block manager and the engine that executes a :class:`SchedulerOutput`:
-run ``blocks_to_swap_out`` first (the freed GPU blocks may be reused in the same step), then
-``blocks_to_swap_in`` and ``blocks_to_copy``, then the forward pass; then call
-:meth:`Scheduler.update` with the sampled tokens, which marks the computed blocks (prefix
-cache), appends tokens, forks samples and beams, and frees finished sequences.
+Then the model runs, and :meth:`Scheduler.update` applies what it sampled: it marks the
+computed blocks (prefix cache), appends tokens, forks samples and beams, and frees finished
+sequences (the loop it shares with the V1 scheduler is ``output_processor.apply_step``).
 
-This module is the first half of a step: which sequences run, with their blocks. The rest of
-:class:`Scheduler` is mixed in from its own modules: the request queues outside a step and
-their invariants (``queues.py``), applying a step's results (``update.py``), snapshot and
-restore (``snapshot.py``).
+Contract with the engine that executes a :class:`SchedulerOutput`: run
+``blocks_to_swap_out`` first (the freed GPU blocks may be reused in the same step), then
+``blocks_to_swap_in`` and ``blocks_to_copy``, then the forward pass; then call ``update`` with
+the sampled tokens. ``snapshot`` before a step and ``restore`` when it fails make the step all
+or nothing (``engine/rollback.py``).
+
+Collaborators, each in its own module: the knobs (``config.py``), the budget and the victim
+policies (``policy.py``), room checks and never-fit reasons (``admission.py``), the plain
+:class:`SchedulerOutput` (``output.py``), sampled tokens applied (``output_processor.py``), and
+the block manager that owns the block tables (``FastBlockManager``, the twin of
+:class:`~course_lib.memory.v0.manager.BlockManager` in ``memory/v0/fast.py``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
+from typing import NamedTuple
 
 from ..config import CacheConfig, SchedulerConfig
-from ..memory import AllocStatus, BlockManager
-from ..sequence import Request, Sequence, SequenceStatus
+from ..memory.common import AllocStatus
+from ..memory.v0.fast import FastBlockManager
+from ..memory.v0.manager import ManagerSnapshot
+from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from . import admission as checks
 from .output import ScheduledSeq, SchedulerOutput
+from .output_processor import apply_step
 from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
-from .queues import RequestQueues
-from .snapshot import SchedulerSnapshot, SnapshotRestore
-from .update import StepUpdate
 
 __all__ = ["Scheduler", "SchedulerSnapshot"]
 
@@ -45,8 +57,22 @@ def _fcfs(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
 
 
-class Scheduler(RequestQueues, StepUpdate, SnapshotRestore):
-    """Decides each step's batch and owns the :class:`BlockManager` (``self.block_manager``)."""
+class SchedulerSnapshot(NamedTuple):
+    """``Scheduler.snapshot()``: the queues, counters, request and sequence fields, blocks."""
+    waiting: list[Request]
+    running: list[Request]
+    swapped: list[Request]
+    counters: tuple[int, ...]
+    requests: list[tuple]
+    block_manager: ManagerSnapshot
+
+
+class Scheduler:
+    """Decides each step's batch and owns the :class:`BlockManager` (``self.block_manager``).
+
+    Reading order: construction; ``schedule`` and its ``_schedule_*`` passes; ``_preempt``;
+    ``update``; the queues (``add_request``, ``abort_request``, ``finish_request``, ``_finish``);
+    ``snapshot`` / ``restore``; ``check_invariants``."""
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
@@ -56,8 +82,9 @@ class Scheduler(RequestQueues, StepUpdate, SnapshotRestore):
         if cc.prefix_cache != "hash":
             raise ValueError(f"prefix_cache={cc.prefix_cache!r} is a V1-design option; the V0 "
                              "design keeps its own verified hash chain (use 'hash')")
-        self.block_manager = BlockManager(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks,
-                                          cc.watermark, cc.enable_prefix_caching)
+        self.block_manager = FastBlockManager(cc.block_size, cc.num_gpu_blocks,
+                                              cc.num_cpu_blocks, cc.watermark,
+                                              cc.enable_prefix_caching)
         self.victim_policy = victim_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -161,24 +188,6 @@ class Scheduler(RequestQueues, StepUpdate, SnapshotRestore):
             out.scheduled += entries
             budget.add(sum(e.num_tokens for e in entries), reserve)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        bm, ids = self.block_manager, [s.seq_id for s in req.unfinished_seqs]
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and not req.is_prefill and bm.can_swap_out(ids):
-            out.blocks_to_swap_out += bm.swap_out(ids)
-            for seq in req.unfinished_seqs:
-                seq.status = S.SWAPPED
-            self.swapped.append(req)
-            out.preempted.append((req.request_id, "swap"))
-            return
-        for seq in req.unfinished_seqs:                 # recompute: forget the K/V
-            bm.free(seq.seq_id)
-            seq.num_computed_tokens = 0
-            seq.status = S.WAITING
-        self.waiting.appendleft(req)                    # first in line when room comes back
-        out.preempted.append((req.request_id, "recompute"))
-
     def _schedule_swapped(self, budget: SchedulingBudget, out: SchedulerOutput) -> None:
         bm = self.block_manager
         self.swapped.sort(key=_fcfs)
@@ -233,3 +242,149 @@ class Scheduler(RequestQueues, StepUpdate, SnapshotRestore):
                 seq.status = S.RUNNING
             self._schedule_prefill(req, budget, out)
             self.running.append(req)
+
+    # -------------------------------------------------------------------------- preempt
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take ``req``'s blocks away: swap them to the CPU pool (``preemption_mode="swap"``,
+        a request past its prefill, room in the CPU pool), or free them and send the request
+        to the front of ``waiting`` to be computed again (recompute)."""
+        bm, ids = self.block_manager, [s.seq_id for s in req.unfinished_seqs]
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and not req.is_prefill and bm.can_swap_out(ids):
+            out.blocks_to_swap_out += bm.swap_out(ids)
+            for seq in req.unfinished_seqs:
+                seq.status = S.SWAPPED
+            self.swapped.append(req)
+            out.preempted.append((req.request_id, "swap"))
+            return
+        for seq in req.unfinished_seqs:                 # recompute: forget the K/V
+            bm.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = S.WAITING
+        self.waiting.appendleft(req)                    # first in line when room comes back
+        out.preempted.append((req.request_id, "recompute"))
+
+    # --------------------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput,
+               samples: Mapping[int, SequenceABC[tuple[int, float]]],
+               now: float = 0.0) -> list[Request]:
+        """Apply a step's results: ``samples[seq_id]`` holds the (token, logprob) candidates
+        of each scheduled entry with ``num_candidates > 0``. Returns the requests finished now.
+        Counts the prompt tokens computed and the tokens generated (``num_prompt_tokens``,
+        ``num_generated_tokens``: what ``vllm:prompt_tokens`` / ``generation_tokens`` count).
+
+        The loop is ``output_processor.apply_step``, shared with the V1 scheduler; the V0
+        scheduler adds the prefix cache's marks (``_mark_computed``) and takes the finished
+        requests out of ``running``."""
+        finished = apply_step(self, out, samples, now, on_computed=self._mark_computed)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+        return finished
+
+    def _mark_computed(self, e: ScheduledSeq) -> None:
+        """Mark ``e``'s full computed blocks for the prefix cache, once its tokens count as
+        computed: a decode token fills no block unless it is a block's last, so then there is
+        nothing to mark."""
+        seq = e.seq
+        if e.is_prefill or seq.num_computed_tokens % self.cache_config.block_size == 0:
+            self.block_manager.mark_blocks_as_computed(seq.seq_id, seq.num_computed_tokens)
+
+    # --------------------------------------------------------------------------- queues
+    # Outside a step: requests come in (``waiting``), are finished from wherever they are
+    # (aborted, failed, ignored), and the three queues agree with the block tables.
+    def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float = 0.0, cache_salt: str | None = None) -> Request:
+        """Queue a request (checked first: ``ValueError`` changes nothing). Requests with the
+        same ``cache_salt`` (vLLM's name) share prefix-cache blocks, others never do."""
+        req = Request(request_id, tuple(prompt_token_ids), sampling_params or SamplingParams(),
+                      arrival_time, cache_salt=cache_salt)
+        req.seqs.append(Sequence(self.new_seq_id(), req.prompt_token_ids, 0))
+        self.waiting.append(req)
+        return req
+
+    def new_seq_id(self) -> int:
+        """A fresh sequence id: a request's first sequence, a forked sample or beam."""
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def abort_request(self, request_id: int) -> bool:
+        """Finish a request wherever it is, freeing its blocks; False if it is not here."""
+        return self.finish_request(request_id, S.FINISHED_ABORTED, "aborted by the user")
+
+    def finish_request(self, request_id: int, status: SequenceStatus, detail: str) -> bool:
+        """Take a request out of its queue and finish it with ``status`` (``detail``: why),
+        freeing its blocks; False if it is not queued here."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for req in queue:
+                if req.request_id == request_id:
+                    queue.remove(req)
+                    self._finish(req, status, detail)
+                    return True
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.unfinished_seqs) for r in self.running)
+
+    def _finish(self, req: Request, status: SequenceStatus, detail: str) -> None:
+        """Finish every live sequence of ``req`` with ``status`` (its short code becomes the
+        request's ``finish_reason``) and free their blocks; ``detail`` says why."""
+        for seq in req.unfinished_seqs:
+            if self.block_manager.has_seq(seq.seq_id):
+                self.block_manager.free(seq.seq_id)
+            seq.status = status
+        req.finish_reason, req.finish_detail = status.finish_reason, detail
+
+    # ------------------------------------------------------------- snapshot / restore
+    def snapshot(self) -> SchedulerSnapshot:
+        """Everything a step can change: the queues, the counters, each queued request's
+        fields and sequences, and the block manager (see ``LLMEngine.step``). A sequence's
+        output list is only ever appended to, so its length is enough to restore it."""
+        reqs = [(req, req.save()) for req in (*self.waiting, *self.running, *self.swapped)]
+        return SchedulerSnapshot(
+            list(self.waiting), list(self.running), list(self.swapped),
+            (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
+             self.num_generated_tokens, self._next_seq_id),
+            reqs, self.block_manager.snapshot())
+
+    def restore(self, snap: SchedulerSnapshot) -> None:
+        """Put the queues, requests, sequences, counters and blocks back as in ``snap``."""
+        self.waiting = deque(snap.waiting)
+        self.running, self.swapped = list(snap.running), list(snap.swapped)
+        (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
+         self.num_generated_tokens, self._next_seq_id) = snap.counters
+        for req, state in snap.requests:
+            req.load(state)
+        self.block_manager.restore(snap.block_manager)
+
+    # --------------------------------------------------------------------------- checks
+    def check_invariants(self) -> None:
+        """Every queued sequence has the status of its queue; running ones hold GPU tables,
+        swapped ones CPU tables, waiting ones none; no table belongs to no queue; and the
+        block manager's own invariants. Call it after schedule() or update() (tests)."""
+        bm = self.block_manager
+        bm.check_invariants()
+        held: set[int] = set()
+        for queue, status, device in ((self.running, S.RUNNING, "gpu"),
+                                      (self.swapped, S.SWAPPED, "cpu"),
+                                      (self.waiting, S.WAITING, None)):
+            for req in queue:
+                assert not req.is_finished, f"request {req.request_id} finished but queued"
+                for seq in req.unfinished_seqs:
+                    assert seq.status == status, f"seq {seq.seq_id}: {seq.status} in {status}"
+                    if device is None:
+                        assert not bm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
+                        continue
+                    table = bm.get_table(seq.seq_id)
+                    assert table.device == device, f"seq {seq.seq_id} on {table.device}"
+                    assert seq.num_computed_tokens <= table.num_tokens <= len(seq), \
+                        f"seq {seq.seq_id}: {seq.num_computed_tokens} computed, " \
+                        f"{table.num_tokens} in its table, {len(seq)} tokens"
+                    held.add(seq.seq_id)
+        assert held == set(bm.seq_ids()), "block tables of sequences no queue holds"

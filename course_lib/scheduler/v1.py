@@ -30,11 +30,13 @@ from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
 
 from ..config import CacheConfig, SchedulerConfig
-from ..memory.kv_cache_manager import KVCacheManager, V1Snapshot
-from ..memory.radix_kv_cache_manager import RadixKVCacheManager
-from ..sequence import Request, RequestFailed, SamplingParams, Sequence, SequenceStatus
+from ..memory.radix.kv_cache_manager import RadixKVCacheManager
+from ..memory.v1.kv_cache_manager import KVCacheManager
+from ..memory.v1_interface import V1Snapshot
+from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
+from ..sizing.units import cdiv
 from .output import ScheduledSeq, SchedulerOutput
-from .output_processor import apply_samples
+from .output_processor import apply_step
 
 S = SequenceStatus
 
@@ -46,11 +48,13 @@ class SchedulerV1Snapshot(NamedTuple):
     counters: tuple[int, ...]
     request_fields: list[tuple]
     block_manager: V1Snapshot
+    preempted: frozenset[int] = frozenset()
 
 
 class SchedulerV1:
-    """Continuous batching over a :class:`~course_lib.memory.KVCacheManager` (see above), or
-    over SGLang's radix tree with ``CacheConfig(prefix_cache="radix")``."""
+    """Continuous batching over a
+    :class:`~course_lib.memory.v1.kv_cache_manager.KVCacheManager` (see above), or over
+    SGLang's radix tree with ``CacheConfig(prefix_cache="radix")``."""
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None) -> None:
@@ -67,6 +71,7 @@ class SchedulerV1:
         self.num_steps = self.num_preemptions = 0
         self.num_prompt_tokens = self.num_generated_tokens = 0
         self._next_seq_id = 0
+        self.preempted: set[int] = set()             # seq ids preempted since admitted
 
     # ------------------------------------------------------------------------ requests
     def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
@@ -117,6 +122,7 @@ class SchedulerV1:
             self.waiting.remove(seq)
         self.kv_cache_manager.forget(seq.seq_id)
         self.requests.pop(seq.seq_id, None)
+        self.preempted.discard(seq.seq_id)
         seq.status = status
 
     # ------------------------------------------------------------------------ schedule
@@ -162,6 +168,7 @@ class SchedulerV1:
         req = self.requests[seq.seq_id]
         req.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted.add(seq.seq_id)
         self.waiting.appendleft(seq)
         out.preempted.append((req.request_id, "recompute"))
 
@@ -170,7 +177,7 @@ class SchedulerV1:
         if len(seq.prompt_token_ids) > cfg.max_model_len:
             return (f"prompt of {len(seq.prompt_token_ids)} tokens is longer than "
                     f"max_model_len={cfg.max_model_len}")
-        need = -(-len(seq) // kvm.block_size)
+        need = cdiv(len(seq), kvm.block_size)
         if need > kvm.num_gpu_blocks - kvm.watermark_blocks:
             if seq.output_token_ids:
                 return (f"cannot grow: sequence {seq.seq_id} needs {need} of the "
@@ -201,7 +208,9 @@ class SchedulerV1:
             if ids is None:
                 break
             self.waiting.popleft()
-            kvm.record_prefix_cache_stats(len(seq), num_hit)
+            # vLLM counts a re-admission after a preemption apart (PrefixCacheStats.record)
+            kvm.record_prefix_cache_stats(len(seq), num_hit,
+                                          preempted=seq.seq_id in self.preempted)
             if req.first_scheduled_time is None and seq.index == 0:
                 req.num_cached_tokens = num_hit
             seq.num_computed_tokens, seq.status = num_hit, S.RUNNING
@@ -215,39 +224,17 @@ class SchedulerV1:
                now: float = 0.0) -> list[Request]:
         """Apply a step's results (as ``Scheduler.update``): advance the computed tokens,
         append the sampled ones, finish sequences that stopped; returns the requests that
-        finished now (ignored ones included)."""
-        by_request: dict[int, list[ScheduledSeq]] = {}
-        for e in out.scheduled:
-            seq, req = e.seq, e.request
-            if seq.status != S.RUNNING:
-                continue
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            seq.num_computed_tokens += e.num_tokens
-            if e.is_prefill:
-                self.num_prompt_tokens += e.num_tokens
-            if e.num_candidates:
-                by_request.setdefault(req.request_id, []).append(e)
-        finished = []
-        for entries in by_request.values():
-            req = entries[0].request
-            if req.first_token_time is None:
-                req.first_token_time = now
-            try:
-                self.num_generated_tokens += apply_samples(
-                    req, entries, samples, self.kv_cache_manager, self.new_seq_id,
-                    self.config.max_model_len)
-            except Exception as exc:
-                raise RequestFailed(req.request_id, exc) from exc
-            for e in entries:
-                if e.seq.is_finished:                     # apply_samples freed its blocks
-                    self._finish_seq(e.seq, e.seq.status)
-            if req.is_finished:
-                req.finished_time = now
-                finished.append(req)
-        for req in out.ignored:
-            req.finished_time = now
-        return finished + out.ignored
+        finished now (ignored ones included). The loop is ``output_processor.apply_step``,
+        shared with the V0 scheduler; V1 marks no blocks here (``allocate_slots`` caches full
+        blocks as it hands them out) and takes each finished sequence out of its queues."""
+        return apply_step(self, out, samples, now, on_sampled=self._drop_finished)
+
+    def _drop_finished(self, entries: list[ScheduledSeq]) -> None:
+        """Take the sequences of one request that finished in this step out of ``running``
+        (``apply_step`` calls it right after the request's samples are applied)."""
+        for e in entries:
+            if e.seq.is_finished:                     # apply_samples freed its blocks
+                self._finish_seq(e.seq, e.seq.status)
 
     # ------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> SchedulerV1Snapshot:
@@ -257,7 +244,7 @@ class SchedulerV1:
             list(self.waiting), list(self.running), dict(self.requests),
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
              self.num_generated_tokens, self._next_seq_id),
-            fields, self.kv_cache_manager.snapshot())
+            fields, self.kv_cache_manager.snapshot(), frozenset(self.preempted))
 
     def restore(self, snap: SchedulerV1Snapshot) -> None:
         self.waiting, self.running = deque(snap.waiting), list(snap.running)
@@ -267,6 +254,7 @@ class SchedulerV1:
         for req, state in snap.request_fields:
             req.load(state)
         self.kv_cache_manager.restore(snap.block_manager)
+        self.preempted = set(snap.preempted)
 
     def check_invariants(self) -> None:
         """Running sequences hold blocks for their computed tokens, waiting ones none, no

@@ -14,8 +14,9 @@ import sys
 import time
 from typing import NamedTuple
 
-from ..memory import BlockManager, KVCacheManager
-from ..memory.radix_cache import RadixCache
+from ..memory.radix.radix_cache import RadixCache
+from ..memory.v0.manager import BlockManager
+from ..memory.v1.kv_cache_manager import KVCacheManager
 
 
 class PrefixRun(NamedTuple):

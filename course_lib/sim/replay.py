@@ -16,11 +16,16 @@ from typing import NamedTuple
 
 from tqdm.auto import tqdm
 
-from ..capacity import ModelSpec, get_preset, kv_bytes_per_token
+from ..capacity import kv_bytes_per_token
 from ..config import CacheConfig, SchedulerConfig
-from ..scheduler import Scheduler, SchedulerOutput, SchedulerV1, VictimPolicy, last_arrived_first
 from ..scheduler.metrics import Metrics
+from ..scheduler.output import SchedulerOutput
+from ..scheduler.policy import VictimPolicy, last_arrived_first
+from ..scheduler.scheduler import Scheduler
+from ..scheduler.v1 import SchedulerV1
 from ..sequence import Request, SamplingParams
+from ..sizing.models import ModelSpec, get_preset
+from ..sizing.units import cdiv
 from .fake_sampler import fake_samples
 from .traces import TraceRequest
 
@@ -99,7 +104,7 @@ def preemption_costs(cost: CostModel, lengths: Sequence[int],
     rows = []
     for n in lengths:
         for bs in block_sizes:
-            blocks = -(-n // bs)
+            blocks = cdiv(n, bs)
             rows.append(PreemptionCost(n, bs, cost.recompute_time(n),
                                        2 * cost.swap_time(blocks, bs)))
     return rows

@@ -14,7 +14,8 @@ first-fit (``ContiguousAllocator``):
 - ``"pow2"`` (Orca-Pow2): the next power of two >= L (at most max_model_len);
 - ``"oracle"`` (Orca-Oracle): exactly L.
 
-Paging (``simulate_paged``) uses the real ``course_lib.memory.BlockManager``: the prompt's
+Paging (``simulate_paged``) uses the real ``BlockManager``
+(``course_lib/memory/v0/manager.py``): the prompt's
 blocks at admission, ``append_slots`` one token per step, ``free`` at the end; when a block
 cannot be found the latest admitted request is preempted and recomputed later (vLLM's default).
 
@@ -41,19 +42,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from course_lib.memory import AllocStatus, BlockManager
+from course_lib.memory.common import AllocStatus
+from course_lib.memory.v0.manager import BlockManager
 from course_lib.sim.traces import TraceRequest
+from course_lib.sizing.units import next_power_of_two
 
 POLICIES = ("max", "pow2", "oracle")
 SYSTEM_NAMES = {"max": "Orca-Max", "pow2": "Orca-Pow2", "oracle": "Orca-Oracle",
                 "paged": "paged (vLLM)"}
 CATEGORIES = ("token_states", "reserved", "internal", "external", "free")
-
-def next_power_of_two(n: int) -> int:
-    """Smallest power of two >= n (n >= 1)."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    return 1 << (int(n) - 1).bit_length()
 
 
 def reservation(policy: str, final_len: int, max_model_len: int = 2048) -> int:

@@ -1,6 +1,12 @@
 """The pieces ``course_lib.capacity`` is built from, one job a module, torch-free.
 
-``units`` (binary byte units, one GPU's memory figure, the shared argument checks), ``models``
-(``ModelSpec``, the presets, the max_model_len vLLM accepts) and ``blocks`` (model-free block
-counting). Import them through ``course_lib.capacity``, which re-exports every name.
+* ``units``   binary byte units (``KiB``, ``MiB``, ``GiB``), one GPU's memory figure
+              (``H200_MEMORY_GIB``), ``cdiv``, ``format_bytes`` and the shared argument checks
+* ``models``  ``ModelSpec``, the presets (``PRESETS``, ``get_preset``), the max_model_len vLLM
+              accepts (``verify_max_model_len``)
+* ``blocks``  model-free block counting (``num_blocks_for_tokens``, ``num_gpu_blocks``,
+              ``num_cpu_blocks``, ``tokens_that_fit``, utilization and internal waste)
+
+Import a name from the module that defines it (``from course_lib.sizing.blocks import
+num_gpu_blocks``): ``course_lib.capacity`` builds on them and does not re-export them.
 """

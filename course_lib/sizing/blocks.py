@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from course_lib.sizing.units import GiB, _check_int, _check_nonneg
+from course_lib.sizing.units import GiB, cdiv, check_int, check_nonneg
 
 
 def check_block_size(block_size: int) -> None:
@@ -23,14 +23,14 @@ def check_block_size(block_size: int) -> None:
 
 def num_blocks_for_tokens(num_tokens: int, block_size: int = 16) -> int:
     """Blocks a sequence of num_tokens occupies: ceil(num_tokens / block_size)."""
-    _check_int("num_tokens", num_tokens, 0)
+    check_int("num_tokens", num_tokens, 0)
     check_block_size(block_size)
-    return -(-num_tokens // block_size)
+    return cdiv(num_tokens, block_size)
 
 
 def num_full_blocks(num_tokens: int, block_size: int = 16) -> int:
     """Full blocks in num_tokens: only these can be shared by prefix caching (hash per block)."""
-    _check_int("num_tokens", num_tokens, 0)
+    check_int("num_tokens", num_tokens, 0)
     check_block_size(block_size)
     return num_tokens // block_size
 
@@ -38,7 +38,7 @@ def num_full_blocks(num_tokens: int, block_size: int = 16) -> int:
 def static_utilization(used_tokens: Iterable[int], max_seq_len: int) -> float:
     """Used / reserved slots when every request reserves max_seq_len contiguous slots."""
     used = [int(n) for n in used_tokens]
-    _check_int("max_seq_len", max_seq_len, 1)
+    check_int("max_seq_len", max_seq_len, 1)
     if not used or any(not 0 <= n <= max_seq_len for n in used):
         raise ValueError(f"used_tokens must be non-empty, each in [0, {max_seq_len}], got {used}")
     return sum(used) / (len(used) * max_seq_len)
@@ -67,20 +67,20 @@ def expected_internal_waste_tokens(block_size: int) -> float:
 
 def num_gpu_blocks(available_kv_bytes: int, block_bytes: int) -> int:
     """Blocks in the pool: floor(available_kv_bytes / block_bytes); the remainder is unused."""
-    _check_int("available_kv_bytes", available_kv_bytes, 0)
-    _check_int("block_bytes", block_bytes, 1)
+    check_int("available_kv_bytes", available_kv_bytes, 0)
+    check_int("block_bytes", block_bytes, 1)
     return available_kv_bytes // block_bytes
 
 
 def tokens_that_fit(num_blocks: int, block_size: int = 16) -> int:
     """Token slots in num_blocks blocks (vLLM logs this as 'GPU KV cache size: N tokens')."""
-    _check_int("num_blocks", num_blocks, 0)
+    check_int("num_blocks", num_blocks, 0)
     check_block_size(block_size)
     return num_blocks * block_size
 
 
 def num_cpu_blocks(swap_space: float, block_bytes: int) -> int:
     """CPU swap blocks per GPU: swap_space (GiB per GPU, vLLM's unit) // block_bytes."""
-    _check_nonneg("swap_space", swap_space)
-    _check_int("block_bytes", block_bytes, 1)
+    check_nonneg("swap_space", swap_space)
+    check_int("block_bytes", block_bytes, 1)
     return round(swap_space * GiB) // block_bytes

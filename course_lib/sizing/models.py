@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from course_lib.sizing.units import _check_int
+from course_lib.sizing.units import check_int
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
                      "num_params", "dtype_bytes"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         for name in ("kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings"):
-            _check_int(name, getattr(self, name), 0)
+            check_int(name, getattr(self, name), 0)
         if not self.param_bytes > 0:
             raise ValueError(f"param_bytes must be > 0, got {self.param_bytes!r}")
         if self.is_mla:
@@ -114,7 +114,7 @@ def verify_max_model_len(spec: ModelSpec, max_model_len: int | None = None, *,
     """
     if max_model_len is None:
         return spec.max_position_embeddings or 2048
-    _check_int("max_model_len", max_model_len, 1)
+    check_int("max_model_len", max_model_len, 1)
     limit = spec.max_position_embeddings
     if limit and max_model_len > limit and not allow_long_max_model_len:
         raise ValueError(

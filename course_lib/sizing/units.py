@@ -1,7 +1,9 @@
 """Byte units and the argument checks every sizing function shares.
 
 Units are binary, as in vLLM: GiB = 1024**3 bytes. ``format_bytes`` prints a byte count in
-them; ``_check_int`` and ``_check_nonneg`` reject a bad count with a ValueError naming it.
+them; ``check_int`` and ``check_nonneg`` reject a bad count with a ValueError naming it.
+The two integer helpers every layer above uses live here, once: ``cdiv`` (how many blocks of
+``b`` tokens hold ``a`` tokens) and ``next_power_of_two``.
 """
 
 from __future__ import annotations
@@ -16,12 +18,25 @@ GiB = 1 << 30
 H200_MEMORY_GIB = 143_771 / 1024          # H200 SXM: 143,771 MiB = 140.4 GiB
 
 
-def _check_int(name: str, value: int, minimum: int) -> None:
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` tokens hold ``a`` tokens (``b >= 1``)."""
+    return -(-a // b)
+
+
+def next_power_of_two(n: int) -> int:
+    """Smallest power of two >= ``n`` (``n >= 1``): Triton's ``tl.arange`` needs one, and
+    Orca-Pow2 reserves one. ``ValueError`` for anything but an integer >= 1."""
+    if isinstance(n, bool) or not hasattr(n, "__index__") or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    return 1 << (int(n) - 1).bit_length()
+
+
+def check_int(name: str, value: int, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _check_nonneg(name: str, value: float) -> None:
+def check_nonneg(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 

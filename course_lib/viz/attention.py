@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from ..sizing.units import cdiv
+
 
 def draw_three_level_mapping(block_table: Sequence[int], seq_len: int, block_size: int,
                              num_blocks: int, others: Mapping[int, str] | None = None,
@@ -17,14 +19,14 @@ def draw_three_level_mapping(block_table: Sequence[int], seq_len: int, block_siz
     ``others`` labels physical blocks held by other requests (e.g. ``{1: "Req-B"}``); the rest
     of the pool is free. Blocks of this sequence are coloured by their logical index.
     """
-    n_logical = -(-seq_len // block_size)
+    n_logical = cdiv(seq_len, block_size)
     if n_logical > len(block_table):
         raise ValueError(f"seq_len {seq_len} needs {n_logical} blocks of {block_size}, the "
                          f"table has {len(block_table)}")
     if any(not 0 <= b < num_blocks for b in block_table):
         raise ValueError(f"block numbers must be in 0..{num_blocks - 1}, got {list(block_table)}")
     others = dict(others or {})
-    rows = -(-num_blocks // ncols)
+    rows = cdiv(num_blocks, ncols)
     fig = Figure(figsize=(9, 2.6 + 0.7 * rows))
     ax = fig.add_subplot()
     width = max(n_logical * 2.5, ncols * 1.1)

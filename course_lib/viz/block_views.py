@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 
 FREE, HELD, SHARED, CACHED = "free", "held", "shared", "cached"
 CACHED_COLOR = "#c8c8c8"

@@ -1,13 +1,14 @@
 """Drawings of a block manager: the physical pool as a grid, each sequence's block table.
 
-The drawing code never reads a ``BlockManager`` directly: :func:`pool_view` turns one into a
-:class:`PoolView` (plain data, :mod:`course_lib.viz.block_views`), and :func:`view_from_tables`
-builds the same from hand-written tables. One renderer, :func:`draw_pool_and_tables`, draws either.
+The drawing code never reads a ``BlockManager`` directly: ``pool_view`` turns one into a
+``PoolView`` (plain data) and ``view_from_tables`` builds the same from hand-written tables (all
+three in ``viz/block_views.py``). One renderer, :func:`draw_pool_and_tables`, draws either.
 
-Readable at 100% zoom: every text is at least ``MIN_FONT_PT`` (9 pt) and a figure is laid out in
-inches, never wider than ``MAX_WIDTH_IN``. At ``EXPLORER_DPI`` (96, the browser's pixels per
-inch) a figure point is a CSS point, so the explorers' images show 9 pt text as 9 pt, unscaled
-in a notebook's output area; the inline backend's 100 dpi shows it a little larger. The tables
+Readable at 100% zoom (the rules are in ``viz/readable.py``): every text is at least
+``MIN_FONT_PT`` (9 pt) and a figure is laid out in inches, never wider than ``MAX_WIDTH_IN``.
+At ``EXPLORER_DPI`` (96, the browser's pixels per inch) a figure point is a CSS point, so the
+explorers' images show 9 pt text as 9 pt, unscaled in a notebook's output area; the inline
+backend's 100 dpi shows it a little larger. The tables
 go left of the pool when both fit side by side, above it otherwise; a long table wraps.
 
 Colors: a block held by one sequence takes that sequence's color; a block shared by several
@@ -18,7 +19,6 @@ victim); a free block is white.
 
 from __future__ import annotations
 
-import io
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -28,32 +28,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Rectangle
 
 from course_lib import capacity as cap
-from course_lib.memory import BlockManager
-from course_lib.viz.block_views import (  # noqa: F401  (re-exported: the module's old API)
-    _PALETTE,
-    CACHED,
-    CACHED_COLOR,
-    FREE,
-    HELD,
-    SHARED,
-    BlockView,
-    PoolView,
-    pool_view,
-    view_from_tables,
-)
-from course_lib.viz.components import (  # noqa: F401  (re-exported)
-    ARTICLE_COMPONENTS,
-    ComponentRow,
-    component_table,
-)
-from course_lib.viz.readable import (  # noqa: F401  (re-exported for the other drawings)
-    EXPLORER_DPI,
-    MAX_WIDTH_IN,
-    MIN_FONT_PT,
-    figure_texts,
-    shown_font_pt,
-    text_width_in,
-)
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import cdiv, format_bytes
+from course_lib.viz.block_views import CACHED, CACHED_COLOR, FREE, HELD, SHARED, PoolView, pool_view
+from course_lib.viz.readable import MAX_WIDTH_IN, text_width_in
 
 CELL_W, POOL_H, TABLE_H = 0.95, 0.8, 0.62   # inches: a block's width, a pool row, a table row
 MARGIN, GAP, TITLE_H, SUPTITLE_H = 0.15, 0.45, 0.4, 0.45
@@ -141,7 +120,7 @@ def draw_pool(view: PoolView, ax, ncols: int = 8, show_tokens: bool = False,
     returns each block's cell centre in data units (for arrows)."""
     n = len(view.blocks)
     ncols = max(1, min(ncols, n))
-    nrows = -(-n // ncols) if n else 1
+    nrows = cdiv(n, ncols) if n else 1
     fit = cell_w - 0.1
     centres = {}
     for b in view.blocks:
@@ -185,7 +164,7 @@ def draw_tables(view: PoolView, ax, table_cols: int | None = None, show_tokens: 
     (entries are unit squares, for arrows)."""
     bs = view.block_size
     cols = table_cols or max([len(t) for t in view.tables.values()] + [1])
-    rows = sum(-(-len(t) // cols) for t in view.tables.values()) or 1
+    rows = sum(cdiv(len(t), cols) for t in view.tables.values()) or 1
     corners = {}
     row = 0
     for label, blocks in view.tables.items():
@@ -201,7 +180,7 @@ def draw_tables(view: PoolView, ax, table_cols: int | None = None, show_tokens: 
                 text += f"\nt{i * bs}–t{last}" if last > i * bs else f"\nt{i * bs}"
             ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=FONT_NOTE)
             corners[(label, i)] = (float(x), float(y))
-        row += -(-len(blocks) // cols)
+        row += cdiv(len(blocks), cols)
     if not view.tables:
         ax.text(0.0, 0.5, "(no sequences)", ha="left", va="center", fontsize=FONT_LABEL)
     ax.set_ylim(0, rows)
@@ -282,7 +261,7 @@ def draw_static_vs_paged(used: Sequence[int], reserved: int, view: PoolView,
     return fig
 
 
-def draw_block_across_layers(spec: cap.ModelSpec, block_id: int = 3, num_blocks: int = 8,
+def draw_block_across_layers(spec: ModelSpec, block_id: int = 3, num_blocks: int = 8,
                              block_size: int = 16, layers_shown: int = 3) -> Figure:
     """One block id in every layer: a K row and a V row of ``num_blocks`` blocks per layer (the
     first ``layers_shown - 1`` layers and the last), block ``block_id`` highlighted in each; the
@@ -308,23 +287,15 @@ def draw_block_across_layers(spec: cap.ModelSpec, block_id: int = 3, num_blocks:
                                        facecolor="C0" if hit else "white", linewidth=0.6))
                 ax.text(b + 0.5, y + dy + 0.45, f"#{b}", ha="center", va="center",
                         fontsize=FONT_NOTE, color="white" if hit else "black")
-        ax.text(num_blocks + 0.2, y + 0.95, f"K+V {cap.format_bytes(2 * k)}", va="center",
+        ax.text(num_blocks + 0.2, y + 0.95, f"K+V {format_bytes(2 * k)}", va="center",
                 fontsize=FONT_NOTE)
     ax.text(num_blocks / 2, 2.7, f"... {spec.num_layers - n} more layers ...", ha="center",
             va="center", fontsize=FONT_NOTE)
     ax.set_xlim(-2.0, num_blocks + 2.0)
     ax.set_ylim(-0.2, 2.4 * (n - 1) + 3.2)
     ax.set_axis_off()
-    k_text, total = cap.format_bytes(k), cap.format_bytes(cap.block_bytes(spec, block_size))
+    k_text, total = format_bytes(k), format_bytes(cap.block_bytes(spec, block_size))
     ax.set_title(f"{spec.name}, block_size {block_size}: block #{block_id} = K {k_text} + V "
                  f"{k_text} in each of {spec.num_layers} layers = {total}", fontsize=FONT_TITLE)
     fig.subplots_adjust(left=0.02, right=0.98, bottom=0.03, top=0.88)
     return fig
-
-
-def figure_png(fig: Figure, dpi: int = 80) -> bytes:
-    """PNG bytes of a figure (for ``widgets.Image``), without the matplotlib version stamp,
-    so equal drawings give equal bytes on any install."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    return buf.getvalue()

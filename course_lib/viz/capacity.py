@@ -1,11 +1,10 @@
-"""Chapter 01's figures (what a KV cache costs), and the one import point for the capacity views.
+"""Chapter 01's figures: what a KV cache costs, per token and against the weights.
 
 Every number drawn here comes from course_lib.capacity; this module only lays it out. The
 functions return matplotlib Figures (not pyplot state), so a notebook shows them as the cell's
-value and a test can count their bars. The views of the other chapters live beside it and are
-re-exported here, so ``course_lib.viz.capacity.X`` names them all: the source-article audit
-table (``viz/claims_table.py``), chapter 08's figures (``viz/capacity_planning.py``) and its
-capacity explorer widget (``viz/capacity_explorer.py``).
+value and a test can count their bars. The capacity views of the other chapters have modules of
+their own: the source-article audit table (``viz/claims_table.py``), chapter 08's figures
+(``viz/capacity_planning.py``) and its capacity explorer widget (``viz/capacity_explorer.py``).
 """
 
 from __future__ import annotations
@@ -15,40 +14,15 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB, KiB
-from course_lib.claims import sources  # noqa: F401  (the audit, reached as viz.capacity.sources)
-from course_lib.viz.capacity_explorer import (
-    CapacityExplorer,
-    ExplorerState,
-    draw_explorer_state,
-    figure_png,
-)
-from course_lib.viz.capacity_planning import (
-    BUDGET_COLORS,
-    BUDGET_PARTS,
-    BlockSizeRow,
-    block_size_tradeoff,
-    budget_parts,
-    draw_block_size_tradeoff,
-    draw_memory_budget,
-    draw_tp_sweep,
-)
-from course_lib.viz.claims_table import ClaimsTable, claims_table
-
-__all__ = [  # re-exported from the modules above, then defined here
-    "ClaimsTable", "claims_table", "BUDGET_COLORS", "BUDGET_PARTS", "BlockSizeRow",
-    "block_size_tradeoff", "budget_parts", "draw_block_size_tradeoff", "draw_memory_budget",
-    "draw_tp_sweep", "CapacityExplorer", "ExplorerState", "draw_explorer_state", "figure_png",
-    "ATTENTION_COLORS", "draw_kv_projections", "draw_kv_bytes_per_token",
-    "weights_kv_crossing_tokens", "draw_kv_vs_weights",
-]
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import GiB, KiB, check_int, format_bytes
 
 ATTENTION_COLORS = {"MHA": "C3", "GQA": "C0", "MQA": "C2", "MLA": "C1"}
 
 
 def draw_kv_projections(num_steps: int) -> Figure:
     """K/V projections computed per decode step without a cache (t) and with one (1)."""
-    cap._check_int("num_steps", num_steps, 1)
+    check_int("num_steps", num_steps, 1)
     steps = list(range(1, num_steps + 1))
     fig = Figure(figsize=(7.5, 3))
     left, right = fig.subplots(1, 2)
@@ -66,7 +40,7 @@ def draw_kv_projections(num_steps: int) -> Figure:
     return fig
 
 
-def draw_kv_bytes_per_token(specs: Sequence[cap.ModelSpec],
+def draw_kv_bytes_per_token(specs: Sequence[ModelSpec],
                             tensor_parallel_size: int = 1) -> Figure:
     """One bar per model: KV-cache bytes per token (one rank), coloured by attention type."""
     if not specs:
@@ -77,7 +51,7 @@ def draw_kv_bytes_per_token(specs: Sequence[cap.ModelSpec],
     bars = ax.bar([s.name for s in specs], [v / KiB for v in values],
                   color=[ATTENTION_COLORS[s.attention_type] for s in specs])
     for bar, spec, value in zip(bars, specs, values, strict=True):
-        ax.annotate(f"{spec.attention_type}\n{cap.format_bytes(value)}",
+        ax.annotate(f"{spec.attention_type}\n{format_bytes(value)}",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("KiB per token")
@@ -89,14 +63,14 @@ def draw_kv_bytes_per_token(specs: Sequence[cap.ModelSpec],
     return fig
 
 
-def weights_kv_crossing_tokens(spec: cap.ModelSpec) -> int:
+def weights_kv_crossing_tokens(spec: ModelSpec) -> int:
     """Fewest cached tokens whose KV cache outweighs the model's weights (TP=1)."""
     return spec.weight_bytes // cap.kv_bytes_per_token(spec) + 1
 
 
-def draw_kv_vs_weights(specs: Sequence[cap.ModelSpec], max_tokens: int) -> Figure:
+def draw_kv_vs_weights(specs: Sequence[ModelSpec], max_tokens: int) -> Figure:
     """KV cache of 0..max_tokens cached tokens (lines) against each model's weights (dashed)."""
-    cap._check_int("max_tokens", max_tokens, 1)
+    check_int("max_tokens", max_tokens, 1)
     if not specs:
         raise ValueError("specs must name at least one model")
     fig = Figure(figsize=(7.5, 3.6))

@@ -3,21 +3,23 @@
 ``ExplorerState`` holds the inputs (model preset, GPU memory, utilization, TP, block_size,
 max_model_len) and turns them into a ``course_lib.capacity.KVBudget``, a summary worded like
 vLLM's startup log and a budget bar (``draw_explorer_state``); ``CapacityExplorer`` puts
-dropdowns and sliders over that state and shows the picture as PNG bytes (``figure_png``).
+dropdowns and sliders over that state and shows the picture as PNG bytes
+(``course_lib.viz.readable.figure_png``).
 """
 
 from __future__ import annotations
 
 import html
-import io
 from dataclasses import dataclass, replace
 
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB
+from course_lib.sizing.models import PRESETS, get_preset, verify_max_model_len
+from course_lib.sizing.units import GiB
 from course_lib.viz.capacity_planning import draw_memory_budget
+from course_lib.viz.readable import EXPLORER_DPI, figure_png
 
 
 @dataclass(frozen=True)
@@ -32,16 +34,16 @@ class ExplorerState:
     max_model_len: int = 8192
 
     def plan(self) -> cap.KVBudget:
-        return cap.plan_kv_cache(cap.get_preset(self.preset), self.total_gpu_memory_gib,
+        return cap.plan_kv_cache(get_preset(self.preset), self.total_gpu_memory_gib,
                                  gpu_memory_utilization=self.gpu_memory_utilization,
                                  block_size=self.block_size,
                                  tensor_parallel_size=self.tensor_parallel_size)
 
     def max_model_len_warning(self) -> str:
         """'' when vLLM accepts max_model_len for this model; otherwise why it refuses
-        (course_lib.capacity.verify_max_model_len)."""
+        (course_lib.sizing.models.verify_max_model_len)."""
         try:
-            cap.verify_max_model_len(cap.get_preset(self.preset), self.max_model_len)
+            verify_max_model_len(get_preset(self.preset), self.max_model_len)
         except ValueError as exc:
             return f"warning: {exc}"
         return ""
@@ -57,20 +59,12 @@ class ExplorerState:
         return f"{text}\n{warning}" if warning else text
 
 
-def figure_png(fig: Figure, dpi: int = 96) -> bytes:
-    """PNG bytes of fig, without the Software tag (so bytes depend on the drawing only); at
-    96 dpi a figure point is a CSS point at 100% zoom (``course_lib.viz.blocks.EXPLORER_DPI``)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
-    return buf.getvalue()
-
-
 def draw_explorer_state(state: ExplorerState) -> Figure:
     """The state's stacked budget bar; when the model does not fit, weights vs usable memory."""
     try:
         budget = state.plan()
     except ValueError:
-        spec = cap.get_preset(state.preset)
+        spec = get_preset(state.preset)
         usable = state.total_gpu_memory_gib * state.gpu_memory_utilization
         fig = Figure(figsize=(7.5, 2.1))
         ax = fig.add_subplot()
@@ -93,7 +87,7 @@ class CapacityExplorer:
 
     def __init__(self, state: ExplorerState | None = None) -> None:
         self.state = state or ExplorerState()
-        self.preset = widgets.Dropdown(options=[(s.name, k) for k, s in cap.PRESETS.items()],
+        self.preset = widgets.Dropdown(options=[(s.name, k) for k, s in PRESETS.items()],
                                        value=self.state.preset, description="model")
         self.memory = widgets.IntSlider(value=int(self.state.total_gpu_memory_gib), min=16,
                                         max=192, step=8, description="GPU GiB")
@@ -120,7 +114,7 @@ class CapacityExplorer:
 
     @staticmethod
     def _tp_options(preset: str) -> list[int]:
-        return [t for t in cap._valid_tp_sizes(cap.get_preset(preset)) if t <= 16]
+        return [t for t in cap.valid_tp_sizes(get_preset(preset)) if t <= 16]
 
     def _on_change(self, change: dict) -> None:
         if change["owner"] is self.preset:
@@ -138,5 +132,5 @@ class CapacityExplorer:
         self._redraw()
 
     def _redraw(self) -> None:
-        self.image.value = figure_png(draw_explorer_state(self.state))
+        self.image.value = figure_png(draw_explorer_state(self.state), EXPLORER_DPI)
         self.summary.value = f"<pre>{html.escape(self.state.summary())}</pre>"

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
-from course_lib.capacity import GiB, KiB
+from course_lib.sizing.blocks import (
+    expected_internal_waste_tokens,
+    max_internal_waste_tokens,
+    num_blocks_for_tokens,
+)
+from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import GiB, KiB
 
 BUDGET_PARTS = ("weights", "activations", "overhead", "KV blocks", "left over",
                 "not used (1 - utilization)")
@@ -54,7 +60,7 @@ def draw_memory_budget(budgets: Sequence[tuple[str, cap.KVBudget]]) -> Figure:
     return fig
 
 
-def draw_tp_sweep(specs: Sequence[cap.ModelSpec], tp_sizes: Sequence[int]) -> Figure:
+def draw_tp_sweep(specs: Sequence[ModelSpec], tp_sizes: Sequence[int]) -> Figure:
     """Per-rank KV bytes per token as TP grows: GQA heads split (then replicate), MLA does not."""
     if not specs or not tp_sizes:
         raise ValueError("specs and tp_sizes must both be non-empty")
@@ -92,11 +98,11 @@ def block_size_tradeoff(lengths: Sequence[int], block_sizes: Sequence[int]) -> l
         raise ValueError("lengths must hold at least one sequence length")
     rows = []
     for bs in block_sizes:
-        blocks = [cap.num_blocks_for_tokens(n, bs) for n in lengths]
+        blocks = [num_blocks_for_tokens(n, bs) for n in lengths]
         waste = [b * bs - n for b, n in zip(blocks, lengths, strict=True)]
         rows.append(BlockSizeRow(bs, sum(waste) / len(lengths),
-                                 cap.expected_internal_waste_tokens(bs),
-                                 cap.max_internal_waste_tokens(bs),
+                                 expected_internal_waste_tokens(bs),
+                                 max_internal_waste_tokens(bs),
                                  sum(waste) / (sum(blocks) * bs), sum(blocks) / len(lengths)))
     return rows
 

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from course_lib.claims import sources
+from course_lib.claims.sources_claim import SourceClaim, cite
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,13 @@ class ClaimsTable:
     """Source-article claims as a table: HTML in Jupyter, aligned text in print() and in
     nbval's text/plain."""
 
-    rows: tuple[sources.SourceClaim, ...]
+    rows: tuple[SourceClaim, ...]
 
     _HEAD = ("article", "where", "claim", "article says", "course computes", "unit", "verdict")
 
-    def _cells(self, c: sources.SourceClaim) -> tuple[str, ...]:
-        show = sources._show  # the audit's own number formatting, shared with audit_table()
-        return (sources.cite(c.source), c.where, c.claim, show(c.source_value),
+    def _cells(self, c: SourceClaim) -> tuple[str, ...]:
+        show = sources.show_number  # the audit's own number formatting, shared with audit_table()
+        return (cite(c.source), c.where, c.claim, show(c.source_value),
                 show(c.course_value), c.unit,
                 c.verdict)
 

@@ -18,27 +18,27 @@ class ComponentRow(NamedTuple):
 
 ARTICLE_COMPONENTS = (
     ComponentRow("Block Allocator (GPU)", "hands out and takes back the GPU pool's blocks",
-                 "memory.pool.BlockAllocator (BlockManager.gpu); V1 twin: "
-                 "memory.block_pool.BlockPool",
+                 "memory.v0.pool.BlockAllocator (BlockManager.gpu); V1 twin: "
+                 "memory.v1.block_pool.BlockPool",
                  "NaiveBlockAllocator / PrefixCachingBlockAllocator inside CpuGpuBlockAllocator "
                  "(vllm/core/block/cpu_gpu_block_allocator.py)",
                  "BlockPool (vllm/v1/core/block_pool.py) over FreeKVCacheBlockQueue "
                  "(vllm/v1/core/kv_cache_utils.py)"),
     ComponentRow("Block Allocator (CPU)", "a CPU pool that holds swapped-out blocks",
-                 "memory.pool.BlockAllocator (BlockManager.cpu, used by swap_out / swap_in)",
+                 "memory.v0.pool.BlockAllocator (BlockManager.cpu, used by swap_out / swap_in)",
                  "the CPU half of CpuGpuBlockAllocator "
                  "(vllm/core/block/cpu_gpu_block_allocator.py)",
                  "none: V1 preempts by recompute, never swaps; an optional CPU offload of "
                  "cached blocks lives in vllm/v1/kv_offload/"),
     ComponentRow("Block Table", "maps a sequence's logical blocks to physical ones",
-                 "memory.block_table.BlockTable; V1 twin: the req_to_blocks of "
-                 "memory.kv_cache_manager.KVCacheManager",
+                 "memory.v0.block_table.BlockTable; V1 twin: the req_to_blocks of "
+                 "memory.v1.kv_cache_manager.KVCacheManager",
                  "BlockTable (vllm/core/block/block_table.py)",
                  "req_to_blocks in SingleTypeKVCacheManager "
                  "(vllm/v1/core/single_type_kv_cache_manager.py); the GPU copy the kernels "
                  "read: BlockTable (vllm/v1/worker/block_table.py)"),
     ComponentRow("Evictor", "picks which cached free block to reuse first (LRU)",
-                 "memory.pool.BlockAllocator.evictable_block_ids (an LRU OrderedDict)",
+                 "memory.v0.pool.BlockAllocator.evictable_block_ids (an LRU OrderedDict)",
                  "LRUEvictor (vllm/core/evictor_v2.py)",
                  "no separate object: FreeKVCacheBlockQueue's order is the LRU, and "
                  "BlockPool.get_new_blocks drops a reused block's hash "

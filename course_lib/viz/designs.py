@@ -17,11 +17,10 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ..config import CacheConfig, SchedulerConfig
-from ..memory.block_pool import BlockPool
+from ..memory.v1.block_pool import BlockPool
 from ..sim.replay import ReplayResult, replay
 from ..sim.traces import sharegpt_like, with_parallel_sampling
-from .blocks import figure_png
-from .readable import EXPLORER_DPI, MAX_WIDTH_IN
+from .readable import EXPLORER_DPI, MAX_WIDTH_IN, figure_png
 
 LABELS = {"v0": "V0 (paper): CoW + swap", "v1": "V1 (vLLM today): child requests + cache"}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from matplotlib.figure import Figure
 
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from ..scheduler.output import SchedulerOutput
 from .readable import MAX_WIDTH_IN
 

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import ipywidgets as widgets
 
-from course_lib.memory import AllocStatus, BlockManager
-from course_lib.viz.blocks import draw_pool_and_tables, figure_png
-from course_lib.viz.readable import EXPLORER_DPI
+from course_lib.memory.common import AllocStatus
+from course_lib.memory.v0.manager import BlockManager
+from course_lib.sizing.units import cdiv
+from course_lib.viz.blocks import draw_pool_and_tables
+from course_lib.viz.readable import EXPLORER_DPI, figure_png
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class ScenarioRun:
                 raise ValueError(f"request {op.seq!r} arrives twice")
             if self.waiting or not self._try_allocate(op.seq, op.num_tokens):
                 self.waiting.append((op.seq, op.num_tokens))
-                need = -(-op.num_tokens // m.block_size)
+                need = cdiv(op.num_tokens, m.block_size)
                 self.log.append(f"{op.seq} waits: needs {need} blocks, "
                                 f"{m.num_free_gpu_blocks} free")
             return

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from course_lib.memory import BlockManager
+from course_lib.memory.v0.manager import BlockManager
 from course_lib.sim.static import CATEGORIES, ContiguousAllocator, MemoryTimeline
 
 COLORS = {"token_states": "#4caf50", "reserved": "#64b5f6", "internal": "#e57373",

@@ -13,10 +13,12 @@ import ipywidgets as widgets
 from matplotlib.figure import Figure
 
 from course_lib import capacity as cap
-from course_lib.parallel import strategy
 from course_lib.parallel.cp_decode import CPCase
-from course_lib.viz.blocks import figure_png
-from course_lib.viz.readable import EXPLORER_DPI
+from course_lib.parallel.decision_tree import Recommendation, recommend
+from course_lib.parallel.deployment import DeploymentPlan, gib, plan
+from course_lib.sizing.models import PRESETS, ModelSpec, get_preset
+from course_lib.sizing.units import H200_MEMORY_GIB, format_bytes
+from course_lib.viz.readable import EXPLORER_DPI, figure_png
 
 
 def draw_cp_layout(case: CPCase, cp_size: int) -> Figure:
@@ -75,7 +77,7 @@ def draw_decode_flow(cp_size: int = 4, head_dim_bytes: str = "q [H, d]") -> Figu
     return fig
 
 
-def draw_move_q_vs_kv(spec: cap.ModelSpec, context_lens: list[int], cp_size: int) -> Figure:
+def draw_move_q_vs_kv(spec: ModelSpec, context_lens: list[int], cp_size: int) -> Figure:
     """Bytes per layer of one decode step: query + partial results vs shipping remote KV."""
     comms = [cap.decode_comm_bytes(spec, n, cp_size) for n in context_lens]
     fig = Figure(figsize=(7.5, 3.2))
@@ -86,8 +88,8 @@ def draw_move_q_vs_kv(spec: cap.ModelSpec, context_lens: list[int], cp_size: int
     ax.bar([x - 0.2 for x in xs], q, width=0.4, color="C0", label="move Q (+ partials back)")
     ax.bar([x + 0.2 for x in xs], kv, width=0.4, color="C3", label="move KV")
     for x, a, b in zip(xs, q, kv, strict=True):
-        ax.annotate(cap.format_bytes(a), (x - 0.2, a), ha="center", va="bottom", fontsize=7)
-        ax.annotate(cap.format_bytes(b), (x + 0.2, b), ha="center", va="bottom", fontsize=7)
+        ax.annotate(format_bytes(a), (x - 0.2, a), ha="center", va="bottom", fontsize=7)
+        ax.annotate(format_bytes(b), (x + 0.2, b), ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_xticks(list(xs), [f"{n:,}" for n in context_lens])
     ax.set(xlabel="context length (tokens)", ylabel="bytes per layer (log)")
@@ -98,7 +100,7 @@ def draw_move_q_vs_kv(spec: cap.ModelSpec, context_lens: list[int], cp_size: int
     return fig
 
 
-def draw_plan(p: strategy.DeploymentPlan, context_len: int, label: str = "") -> Figure:
+def draw_plan(p: DeploymentPlan, context_len: int, label: str = "") -> Figure:
     """Tokens per GPU, longest single request and the target context, on one axis; ``label``
     starts the title. A request longer than the model's context is drawn red."""
     fig = Figure(figsize=(7.5, 2.8))
@@ -137,14 +139,14 @@ def _tokens(value: float, _pos: object = None) -> str:
     return f"{value / 1e3:g}K" if abs(value) >= 1e3 else f"{value:g}"
 
 
-GPU_MEMORY_GIB = (24, 40, 48, 80, cap.H200_MEMORY_GIB)   # H200: nvidia-smi's 143,771 MiB
+GPU_MEMORY_GIB = (24, 40, 48, 80, H200_MEMORY_GIB)   # H200: nvidia-smi's 143,771 MiB
 CONTEXT_LENS = (4_096, 32_768, 131_072, 200_000, 1_000_000, 2_000_000)
 
 
 class StrategyExplorer:
     """Pick a model, GPU memory, GPUs, TP, CP, utilization and a request length; see the plan.
 
-    State: ``plan`` (a :class:`~course_lib.parallel.strategy.DeploymentPlan`, or None with
+    State: ``plan`` (a :class:`~course_lib.parallel.deployment.DeploymentPlan`, or None with
     ``error`` set when the weights do not fit), ``recommendation`` (the decision tree's
     answer for the same model, memory and request), ``text`` and ``png`` (what is shown).
     CP is the article's (extra GPUs). A request longer than the model's context
@@ -153,13 +155,13 @@ class StrategyExplorer:
     """
 
     def __init__(self, model: str = "deepseek-v3",
-                 gpu_memory_gib: float = cap.H200_MEMORY_GIB,
+                 gpu_memory_gib: float = H200_MEMORY_GIB,
                  num_gpus: int = 8, tp: int = 1, cp: int = 4, gpu_memory_utilization: float = 0.9,
                  context_len: int = 1_000_000) -> None:
-        spec = cap.get_preset(model)
-        self.model = widgets.Dropdown(options=[(s.name, k) for k, s in cap.PRESETS.items()],
+        spec = get_preset(model)
+        self.model = widgets.Dropdown(options=[(s.name, k) for k, s in PRESETS.items()],
                                       value=model.lower(), description="model")
-        self.memory = widgets.Dropdown(options=[(strategy.gib(g), g) for g in GPU_MEMORY_GIB],
+        self.memory = widgets.Dropdown(options=[(gib(g), g) for g in GPU_MEMORY_GIB],
                                        value=gpu_memory_gib, description="GPU GiB")
         self.gpus = widgets.Dropdown(options=(1, 2, 4, 8, 16), value=num_gpus,
                                      description="GPUs")
@@ -171,22 +173,21 @@ class StrategyExplorer:
                                         description="request")
         self.image = widgets.Image(format="png")
         self.html = widgets.HTML()
-        self.plan: strategy.DeploymentPlan | None = None
+        self.plan: DeploymentPlan | None = None
         self.error: str | None = None
-        self.recommendation: strategy.Recommendation | None = None
+        self.recommendation: Recommendation | None = None
         self.text, self.png = "", b""
         for w in (self.model, self.memory, self.gpus, self.tp, self.cp, self.util, self.context):
             w.observe(self._changed, names="value")
         self.render()
 
     @staticmethod
-    def _tp_options(spec: cap.ModelSpec) -> list[int]:
-        return [t for t in (1, 2, 4, 8) if spec.num_attention_heads % t == 0
-                and (spec.is_mla or t <= spec.num_kv_heads or t % spec.num_kv_heads == 0)]
+    def _tp_options(spec: ModelSpec) -> list[int]:
+        return [t for t in cap.valid_tp_sizes(spec) if t in (1, 2, 4, 8)]   # vLLM's rule
 
     def _changed(self, change: dict) -> None:
         if change["owner"] is self.model:
-            options = self._tp_options(cap.get_preset(self.model.value))
+            options = self._tp_options(get_preset(self.model.value))
             keep = self.tp.value if self.tp.value in options else options[0]
             with self.tp.hold_trait_notifications():
                 self.tp.options = options
@@ -194,15 +195,15 @@ class StrategyExplorer:
         self.render()
 
     def render(self) -> None:
-        spec = cap.get_preset(self.model.value)
+        spec = get_preset(self.model.value)
         try:
-            self.plan = strategy.plan(spec, self.memory.value, self.tp.value, self.cp.value,
+            self.plan = plan(spec, self.memory.value, self.tp.value, self.cp.value,
                                       gpu_memory_utilization=round(self.util.value, 2),
                                       num_gpus=self.gpus.value)
             self.error = None
         except ValueError as exc:
             self.plan, self.error = None, str(exc)
-        self.recommendation = strategy.recommend(spec, self.context.value, self.memory.value,
+        self.recommendation = recommend(spec, self.context.value, self.memory.value,
                                                  max_gpus=self.gpus.value)
         if self.plan is not None:
             fig = draw_plan(self.plan, self.context.value, "your plan: ")

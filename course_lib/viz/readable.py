@@ -6,9 +6,12 @@ pixels, so the text reads as ``pt * dpi / 96`` points; a wider image is scaled d
 At ``EXPLORER_DPI`` (96) a figure point is a CSS point; the inline backend's 100 dpi shows it
 a little larger. The course draws every text at ``MIN_FONT_PT`` (9 pt) or more and figures at
 most ``MAX_WIDTH_IN`` wide (900 px at 96 dpi), so nothing is scaled down in a notebook.
+``figure_png`` saves a figure as the PNG bytes the widgets show, at the dpi its caller picks.
 """
 
 from __future__ import annotations
+
+import io
 
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
@@ -47,3 +50,12 @@ def shown_font_pt(fig: Figure, dpi: float, shown_width_px: float = 900.0) -> flo
     up, to fit): ``pt * dpi / 96 * scale`` (a CSS point is 96/72 CSS pixels)."""
     scale = min(1.0, shown_width_px / (fig.get_figwidth() * dpi))
     return min(t.get_fontsize() for t in figure_texts(fig)) * dpi / 96 * scale
+
+
+def figure_png(fig: Figure, dpi: float = EXPLORER_DPI) -> bytes:
+    """PNG bytes of ``fig`` at ``dpi`` (for ``widgets.Image``), without the matplotlib version
+    stamp (the Software tag), so equal drawings give equal bytes on any install. At
+    ``EXPLORER_DPI`` a figure point is a CSS point at 100% zoom."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    return buf.getvalue()

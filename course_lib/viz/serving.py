@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
+from ..sizing.units import cdiv
 
 _PALETTE = ["#4c9be8", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#edc948"]
 
@@ -51,7 +52,7 @@ def draw_table_growth(history: TableHistory, block_size: int, max_rows: int = 24
     axes = fig.subplots(1, max(1, len(rids)), squeeze=False)[0]
     for ax, rid in zip(axes, rids, strict=False):
         rows = [(i, s[rid]) for i, s in enumerate(history.steps) if rid in s]
-        stride = max(1, -(-len(rows) // max_rows))
+        stride = max(1, cdiv(len(rows), max_rows))
         shown = rows[::stride]
         if shown[-1] is not rows[-1]:
             shown.append(rows[-1])

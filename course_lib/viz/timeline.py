@@ -18,8 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ..sim.replay import PreemptionCost, ReplayResult, StepRecord
-from .blocks import figure_png
-from .readable import EXPLORER_DPI, MAX_WIDTH_IN, MIN_FONT_PT, text_width_in
+from .readable import EXPLORER_DPI, MAX_WIDTH_IN, MIN_FONT_PT, figure_png, text_width_in
 
 PREFILL, DECODE, PREEMPT = "#9ecae1", "#08519c", "#d62728"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from course_lib.sizing.units import cdiv
+
 
 def beam_blocks(tables, num_tokens, picks, block_size):
     refs = {}                                     # a block's count: the tables that hold it
@@ -31,9 +33,9 @@ def beam_blocks(tables, num_tokens, picks, block_size):
 
 def blocks_held(num_samples, prompt_len, gen_len, block_size):
     if gen_len == 0:                          # nobody wrote: every sample shares every block
-        return -(-prompt_len // block_size)
+        return cdiv(prompt_len, block_size)
     full = prompt_len // block_size           # full prompt blocks stay shared
-    return full + num_samples * (-(-(prompt_len + gen_len) // block_size) - full)
+    return full + num_samples * (cdiv(prompt_len + gen_len, block_size) - full)
 
 
 class CowManager:
@@ -54,7 +56,7 @@ class CowManager:
             self.free_stack.append(block)
 
     def allocate(self, seq, num_tokens):
-        self.tables[seq] = [self._take() for _ in range(-(-num_tokens // self.block_size))]
+        self.tables[seq] = [self._take() for _ in range(cdiv(num_tokens, self.block_size))]
         self.lens[seq] = num_tokens
 
     def fork(self, parent, child):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from course_lib.sizing.units import cdiv
+
 
 def lru_order(finished_tables):
     refs = {}
@@ -55,7 +57,7 @@ class PrefixPool:
             if self.refs[block] == 0:
                 del self.lru[block]            # held again: not evictable any more
             self.refs[block] += 1
-        need = -(-len(prompt) // self.block_size) - len(hits)
+        need = cdiv(len(prompt), self.block_size) - len(hits)
         table = hits + [self._new_block() for _ in range(need)]
         for i in range(len(hits), len(hashes)):                  # computed: cache full blocks
             if hashes[i] not in self.cache:

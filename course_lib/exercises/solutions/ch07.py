@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from course_lib.sizing.units import cdiv
+
 
 def prefill_chunks(prompt_len, max_num_batched_tokens, num_decoding):
     chunks, left = [], prompt_len
@@ -14,7 +16,7 @@ def prefill_chunks(prompt_len, max_num_batched_tokens, num_decoding):
 def schedule_running_and_swapped(running, swapped, num_free_gpu_blocks, num_free_cpu_blocks,
                                  block_size, preemption_mode):
     def blocks(tokens):
-        return -(-tokens // block_size)
+        return cdiv(tokens, block_size)
 
     def by_arrival(request):
         request_id, arrival_time, _ = request
@@ -57,7 +59,7 @@ def schedule_running_and_swapped(running, swapped, num_free_gpu_blocks, num_free
 def cheaper_preemption(num_tokens, block_size, kv_bytes_per_token, s_per_token):
     import math
 
-    num_blocks = -(-num_tokens // block_size)                    # swap moves whole blocks
+    num_blocks = cdiv(num_tokens, block_size)                    # swap moves whole blocks
     one_way = (num_blocks * block_size * kv_bytes_per_token / 20e9
                + num_blocks * 2 * 32 * 4e-6)                     # bytes + one copy per K/V layer
     recompute, swap = num_tokens * s_per_token, 2 * one_way      # out, and back in
@@ -69,7 +71,7 @@ def cheaper_preemption(num_tokens, block_size, kv_bytes_per_token, s_per_token):
 def schedule_step(running, waiting, num_free_blocks, block_size, max_num_seqs,
                   max_num_batched_tokens):
     def blocks(tokens):
-        return -(-tokens // block_size)
+        return cdiv(tokens, block_size)
 
     running = [list(r) for r in running]         # [request_id, num_tokens, num_computed]
     free, budget = num_free_blocks, max_num_batched_tokens

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from course_lib.sizing.units import cdiv
+
 
 def smallest_tp(num_layers, num_attention_heads, num_kv_heads, head_dim, num_params,
                 gpu_memory_gib, max_model_len, num_requests):
-    blocks_per_request = -(-max_model_len // 16)             # whole blocks of 16 tokens
+    blocks_per_request = cdiv(max_model_len, 16)             # whole blocks of 16 tokens
     for tp in range(1, num_attention_heads + 1):
         if num_attention_heads % tp:
             continue                                         # the query heads do not split
@@ -33,7 +35,7 @@ def max_num_requests(num_gpu_blocks, block_size, requests):
     for admitted, (prompt_len, output_len) in enumerate(requests):
         need += [0] * (output_len - len(need))
         for s in range(output_len):                   # step s: prompt + s tokens cached
-            need[s] += -(-(prompt_len + s) // block_size)
+            need[s] += cdiv(prompt_len + s, block_size)
         if max(need) > num_gpu_blocks:
             return admitted                           # this one would overflow a step
     return len(requests)

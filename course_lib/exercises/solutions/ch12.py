@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from course_lib.sizing.units import cdiv
+
 
 def free_queue_after(queue, table):
     front, back = [], []
@@ -25,7 +27,7 @@ def radix_hit(prompt, earlier, page_size):
 def allocate_slots(pool, req, num_new_tokens, hits, block_size, watermark_blocks):
     # every token computed so far, the hit tokens and the new ones need a slot
     total = req.num_computed_tokens + len(hits) * block_size + num_new_tokens
-    num_new_blocks = -(-total // block_size) - len(req.blocks) - len(hits)
+    num_new_blocks = cdiv(total, block_size) - len(req.blocks) - len(hits)
     # a hit nobody holds (ref_cnt 0) sits in the free queue: taking it costs a free block
     evictable = sum(1 for block in hits if block.ref_cnt == 0)
     # the watermark holds blocks back from admissions (a request holding no blocks) only

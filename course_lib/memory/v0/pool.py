@@ -26,12 +26,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
 from typing import NamedTuple
 
-HELD, FREE, EVICTABLE = 0, 1, 2          # a block's state (ref count >= 1, or 0 and where)
+from ..common import EVICTABLE, FREE, HELD
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when a pool has no free block left. The caller should have asked first
-    (``BlockManager.can_allocate`` / ``can_append_slots`` / ``can_swap_in``)."""
+    (``BlockManager.can_allocate`` / ``can_append_slots`` / ``can_swap_in``, in
+    ``course_lib/memory/v0/manager.py``)."""
 
 
 class PoolSnapshot(NamedTuple):

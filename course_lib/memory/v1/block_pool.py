@@ -15,10 +15,17 @@ for one full-attention KV-cache group, in the course's words:
   block hash to the cached blocks with it. Equal blocks are *not* merged: a block that fills
   with content already cached stays where it is (block tables only ever append), so one hash
   may map to several blocks.
-* :func:`hash_block_tokens`: ``sha256(pickle((parent_hash, tokens, extra_keys)))``, chained
-  from ``NONE_HASH``, the hash of the fixed seed ``"vllm-none-hash"`` (vLLM 0.33.0 derives it
-  that way for a cryptographic hash, so that processes agree; a non-cryptographic hash gets a
-  random seed). V1 trusts the hash: a hit is not checked token by token.
+* :func:`hash_block_tokens`: ``hash_fn((parent_hash, tokens, extra_keys))``, chained from
+  ``NONE_HASH``; ``hash_fn`` is one of vLLM's four (``vllm/utils/hashing.py``): ``sha256``
+  (the default: SHA-256 of the pickled tuple), ``sha256_cbor`` (of its canonical CBOR, the same
+  bytes in any language), ``xxhash`` and ``xxhash_cbor`` (xxHash3-128: fast, not collision
+  resistant). ``NONE_HASH`` is ``hash_fn(seed)`` (vLLM's ``init_none_hash``): the seed is
+  ``PYTHONHASHSEED`` when set, else the fixed ``"vllm-none-hash"`` for a cryptographic hash (so
+  that processes agree), else random bytes, once per process (so that nobody can precompute
+  collisions of the fast one). The extra keys are vLLM's ``generate_block_hash_extra_keys``:
+  the first block of a request with a cache salt carries ``(("cache_salt", salt),)``, every
+  other block ``None`` (an empty salt is no salt). V1 trusts the hash: a hit is not checked
+  token by token.
 
 Left out, and said so: the null block (block 0, a placeholder for sliding-window and Mamba
 layers), hybrid models' several KV-cache groups, KV events, the metrics collector.
@@ -27,11 +34,14 @@ layers), hybrid models' several KV-cache groups, KV events, the metrics collecto
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-NONE_HASH_SEED = "vllm-none-hash"
+NONE_HASH_SEED = "vllm-none-hash"        # vLLM's DEFAULT_NONE_HASH_SEED
+
+HashFn = Callable[[object], bytes]
 
 
 def sha256(value: object) -> bytes:
@@ -39,15 +49,87 @@ def sha256(value: object) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-NONE_HASH = sha256(NONE_HASH_SEED)
+def sha256_cbor(value: object) -> bytes:
+    """vLLM's ``sha256_cbor``: SHA-256 of the value's canonical CBOR (language-neutral)."""
+    import cbor2
+
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    try:
+        import xxhash as _xxhash
+    except ImportError:
+        _xxhash = None
+    if _xxhash is None or not hasattr(_xxhash, "xxh3_128_digest"):
+        raise ModuleNotFoundError(
+            "xxhash is required for the 'xxhash' prefix caching hash algorithms. "
+            "Install it via `pip install xxhash`.")
+    return _xxhash.xxh3_128_digest(data)
+
+
+def xxhash(value: object) -> bytes:
+    """vLLM's ``xxhash``: xxHash3-128 of the pickled value (fast, not collision resistant)."""
+    return _xxh3_128(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def xxhash_cbor(value: object) -> bytes:
+    """vLLM's ``xxhash_cbor``: xxHash3-128 of the value's canonical CBOR."""
+    import cbor2
+
+    return _xxh3_128(cbor2.dumps(value, canonical=True))
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": sha256, "sha256_cbor": sha256_cbor,
+                                     "xxhash": xxhash, "xxhash_cbor": xxhash_cbor}
+_NON_CRYPTO_HASH_FUNCTIONS = frozenset({xxhash, xxhash_cbor})
+_RANDOM_SEED: list[str] = []             # the per-process random seed, drawn once
+
+
+def get_hash_fn_by_name(hash_fn_name: str) -> HashFn:
+    """vLLM's ``get_hash_fn_by_name`` (``--prefix-caching-hash-algo``)."""
+    if hash_fn_name not in HASH_FUNCTIONS:
+        raise ValueError(f"Unsupported hash function: {hash_fn_name}")
+    return HASH_FUNCTIONS[hash_fn_name]
+
+
+def resolve_none_hash_seed(hash_fn: HashFn) -> str:
+    """vLLM's ``resolve_none_hash_seed``: ``PYTHONHASHSEED`` if set; else the fixed seed for a
+    cryptographic hash, random bytes (once per process) for a non-cryptographic one."""
+    seed = os.getenv("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if hash_fn in _NON_CRYPTO_HASH_FUNCTIONS:
+        if not _RANDOM_SEED:
+            _RANDOM_SEED.append(os.urandom(32).hex())
+        return _RANDOM_SEED[0]
+    return NONE_HASH_SEED
+
+
+def none_hash_for(hash_fn: HashFn = sha256) -> bytes:
+    """The parent hash of a request's first block (vLLM's ``init_none_hash``)."""
+    return hash_fn(resolve_none_hash_seed(hash_fn))
+
+
+NONE_HASH = none_hash_for(sha256)            # sha256's, as this process resolves its seed
+
+
+def block_hash_extra_keys(start_token_idx: int, cache_salt: Hashable = None) -> tuple | None:
+    """vLLM's ``generate_block_hash_extra_keys`` for what the course has of it, the cache
+    salt: ``(("cache_salt", salt),)`` for the block starting at token 0 of a salted request,
+    else None (an empty salt is no salt). LoRA, multimodal and prompt-embedding keys: none."""
+    return (("cache_salt", cache_salt),) if start_token_idx == 0 and cache_salt else None
 
 
 def hash_block_tokens(parent_block_hash: bytes | None, block_token_ids: Sequence[int],
-                      extra_keys: Hashable = None) -> bytes:
-    """The hash of a full block: its tokens, its extra keys (a cache salt, a LoRA id) and,
-    through the parent's hash, everything before it."""
-    parent = parent_block_hash if parent_block_hash else NONE_HASH
-    return sha256((parent, tuple(block_token_ids), extra_keys))
+                      extra_keys: Hashable = None, hash_fn: HashFn = sha256,
+                      none_hash: bytes | None = None) -> bytes:
+    """The hash of a full block: its tokens, its extra keys (:func:`block_hash_extra_keys`)
+    and, through the parent's hash, everything before it (vLLM's ``hash_block_tokens``;
+    ``none_hash``: the first block's parent, :data:`NONE_HASH` unless given)."""
+    parent = parent_block_hash if parent_block_hash else \
+        (NONE_HASH if none_hash is None else none_hash)
+    return hash_fn((parent, tuple(block_token_ids), extra_keys))
 
 
 @dataclass(slots=True, eq=False)
@@ -68,57 +150,110 @@ class KVCacheBlock:
 class FreeKVCacheBlockQueue:
     """A doubly linked list of free blocks through the blocks' own links, with a fake head and
     tail so that no operation branches on an empty neighbour. Every operation is O(1) per
-    block, removal from the middle included."""
+    block, removal from the middle included. Each one writes the links in vLLM's order, and
+    a queue corrupted by a caller (a block linked twice) fails where vLLM's does, with its
+    exception: ``remove`` of a block not in the queue and ``popleft`` of a block without a
+    successor raise ``RuntimeError``, ``popleft`` of an empty queue ``ValueError``."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
-        self.head, self.tail = KVCacheBlock(-1), KVCacheBlock(-1)
-        self.head.next_free_block, self.tail.prev_free_block = self.tail, self.head
-        self.num_free_blocks = 0
-        self.append_n(blocks)
+        self.num_free_blocks = len(blocks)
+        for prev, block in zip(blocks, blocks[1:], strict=False):
+            block.prev_free_block, prev.next_free_block = prev, block
+        self.fake_free_list_head = KVCacheBlock(-1)
+        self.fake_free_list_tail = KVCacheBlock(-1)
+        first, last = (blocks[0], blocks[-1]) if blocks else \
+            (self.fake_free_list_tail, self.fake_free_list_head)
+        self.fake_free_list_head.next_free_block, first.prev_free_block = \
+            first, self.fake_free_list_head
+        self.fake_free_list_tail.prev_free_block, last.next_free_block = \
+            last, self.fake_free_list_tail
 
     def popleft(self) -> KVCacheBlock:
-        block = self.head.next_free_block
-        if block is self.tail:
-            raise ValueError("no free blocks available")
-        self.remove(block)
+        head = self.fake_free_list_head
+        block = head.next_free_block
+        if block is self.fake_free_list_tail or block is None:
+            assert self.num_free_blocks == 0, (
+                f"num_free_blocks ({self.num_free_blocks}) is out of sync with the free list.")
+            raise ValueError("No free blocks available")
+        nxt = block.next_free_block
+        if nxt is None:
+            raise RuntimeError("Invalid block found in popleft() "
+                               "which doesn't have a valid next_free_block")
+        head.next_free_block, nxt.prev_free_block = nxt, head
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """The first ``n`` blocks. More than are free: ``ValueError`` (vLLM asserts; see
+        docs/design_notes.md)."""
         if n > self.num_free_blocks:
             raise ValueError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
-        return [self.popleft() for _ in range(n)]
+        if n == 0:
+            return []
+        self.num_free_blocks -= n
+        out, block = [], self.fake_free_list_head.next_free_block
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            last, block = block, block.next_free_block
+            last.prev_free_block = last.next_free_block = None
+        if block is not None:
+            self.fake_free_list_head.next_free_block = block
+            block.prev_free_block = self.fake_free_list_head
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue (a prefix-cache hit on a free block)."""
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
+            raise RuntimeError(f"remove() called on an invalid block: {block}")
         prev.next_free_block, nxt.prev_free_block = nxt, prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
 
-    def _link_after(self, anchor: KVCacheBlock, block: KVCacheBlock) -> None:
-        nxt = anchor.next_free_block
-        anchor.next_free_block, block.prev_free_block = block, anchor
-        block.next_free_block, nxt.prev_free_block = nxt, block
+    def append(self, block: KVCacheBlock) -> None:
+        tail = self.fake_free_list_tail
+        last = tail.prev_free_block
+        if last is None:
+            raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
+        last.next_free_block, block.prev_free_block = block, last
+        block.next_free_block, tail.prev_free_block = tail, block
         self.num_free_blocks += 1
 
-    def append(self, block: KVCacheBlock) -> None:
-        self._link_after(self.tail.prev_free_block, block)
-
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put blocks at the back, in their order (the last is popped last)."""
+        blocks = list(blocks)
+        if not blocks:
+            return
+        tail = self.fake_free_list_tail
+        last = tail.prev_free_block
+        assert last is not None, "prev_free_block of fake_free_list_tail should always exist"
         for block in blocks:
-            self.append(block)
+            block.prev_free_block, last.next_free_block = last, block
+            last = block
+        last.next_free_block, tail.prev_free_block = tail, last
+        self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put blocks at the front, in their order (the first is popped first)."""
-        for block in reversed(blocks):
-            self._link_after(self.head, block)
+        if not blocks:
+            return
+        first = self.fake_free_list_head.next_free_block
+        assert first is not None, "next_free_block of fake_free_list_head should always exist"
+        prev = self.fake_free_list_head
+        for block in blocks:
+            block.prev_free_block, prev.next_free_block = prev, block
+            prev = block
+        prev.next_free_block, first.prev_free_block = first, prev
+        self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """The queue front to back (next popped first)."""
-        out, block = [], self.head.next_free_block
-        while block is not self.tail:
+        out, block = [], self.fake_free_list_head.next_free_block
+        if block is None:
+            raise RuntimeError("next_free_block of fake_free_list_head should always exist")
+        while block.next_free_block is not None:
             out.append(block)
             block = block.next_free_block
         return out
@@ -174,8 +309,7 @@ class BlockPool:
         """``num_blocks`` blocks from the front of the free queue, each with ref count 1; a
         cached one is evicted (its hash forgotten)."""
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"cannot get {num_blocks} free blocks from the pool, "
-                             f"{self.get_num_free_blocks()} are free")
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             self._maybe_evict_cached_block(block)
@@ -241,8 +375,8 @@ class BlockPool:
                                                if b.ref_cnt == 0}, "queue != ref-0 blocks"
         assert len({b.block_id for b in queue}) == len(queue), "a block is queued twice"
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
-        back = [] if not queue else [queue[-1]]
-        while back and back[-1].prev_free_block is not self.free_block_queue.head:
+        back, head = [] if not queue else [queue[-1]], self.free_block_queue.fake_free_list_head
+        while back and back[-1].prev_free_block is not head:
             back.append(back[-1].prev_free_block)
         assert back[::-1] == queue, "the queue's backward links disagree"
         mapped = {i for bs in self.cached_block_hash_to_block.values() for i in bs}

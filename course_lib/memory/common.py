@@ -1,11 +1,23 @@
-"""Plain answers the KV-cache managers give: room (``AllocStatus``), occupancy
-(``BlockUsage``) and prefix-cache counts (``PrefixCacheStats``), shared by the V0 pair, the
-V1 pair and the radix tree, and read by the metrics, the replay, the engine and the widgets."""
+"""What every design's KV-cache manager answers the same way, written once.
+
+The three designs of ``memory/`` (the paper's / vLLM V0's in ``v0/``, vLLM V1's in ``v1/``,
+SGLang's radix tree in ``radix/``) each keep their own blocks, but the scheduler, the metrics,
+the replay, the engine and the widgets read them through the same plain answers:
+
+* :class:`AllocStatus`: is there room now, later, or never (``can_allocate`` / ``can_swap_in``);
+* :class:`BlockUsage`: how full a pool is (held, free, evictable blocks; table entries; slots);
+* :class:`PrefixCacheStats`: prompt tokens looked up in the prefix cache, and found;
+* ``HELD`` / ``FREE`` / ``EVICTABLE``: the three states of a block, as snapshots record them;
+* :func:`check_watermark`: the one argument check the managers add to ``check_block_size``
+  (``course_lib/sizing/blocks.py``) and ``cdiv`` (``course_lib/sizing/units.py``).
+"""
 
 from __future__ import annotations
 
 import enum
 from typing import NamedTuple
+
+HELD, FREE, EVICTABLE = 0, 1, 2     # a block: ref count >= 1 | ref 0, never cached | ref 0, cached
 
 
 class AllocStatus(enum.Enum):
@@ -51,9 +63,18 @@ class BlockUsage(NamedTuple):
 
 
 class PrefixCacheStats(NamedTuple):
+    """Prefix-cache lookups, counted in tokens (``vllm:prefix_cache_queries`` / ``_hits``)."""
     queries: int                 # prompt tokens looked up
     hits: int                    # of those, tokens found in the cache
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+
+def check_watermark(watermark: float) -> None:
+    """Raise ValueError unless ``watermark`` (the share of GPU blocks kept back from
+    admissions) is in [0, 1)."""
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) \
+            or not 0.0 <= watermark < 1.0:
+        raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")

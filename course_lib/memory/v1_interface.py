@@ -1,13 +1,11 @@
-"""What the KV-cache managers share, written once.
+"""The V1 interface that two designs implement: vLLM V1's ``KVCacheManager`` over hash chains
+(``v1/kv_cache_manager.py``) and the same calls over SGLang's radix tree
+(``radix/kv_cache_manager.py``). The V1 scheduler (``scheduler/v1.py``) drives either one.
 
-* The argument checks every manager makes (``check_block_size``, ``check_watermark``).
-* ``PrefixCacheCounters``: the prefix-cache counters (tokens looked up, tokens found) that
-  every manager keeps and reports the same way (``vllm:prefix_cache_queries`` / ``_hits``).
-* ``V1ManagerBase``: the state and accessors of the V1 interface that both V1 managers answer
-  the same way (:class:`~course_lib.memory.KVCacheManager` over hash chains,
-  :class:`~course_lib.memory.RadixKVCacheManager` over the radix tree): per-sequence maps,
-  ``has_seq`` / ``seq_ids``, ``record_prefix_cache_stats``, ``forget``, ``usage`` and the
-  snapshot's shape (``V1Snapshot``).
+``V1ManagerBase`` holds what both answer alike: the per-sequence maps, ``has_seq`` /
+``seq_ids``, the prefix-cache counters (``record_prefix_cache_stats``, ``prefix_cache_stats``),
+``forget``, ``usage`` and the shape of a snapshot (``V1Snapshot``). Each design subclasses it
+with its own pool: the base is a real class with state, not a mixin.
 """
 
 from __future__ import annotations
@@ -15,31 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import NamedTuple
 
-from .usage import BlockUsage, PrefixCacheStats
-
-
-def check_block_size(block_size: int) -> None:
-    """Raise ValueError unless ``block_size`` is a power of two in [1, 256]."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) \
-            or not 1 <= block_size <= 256 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two in [1, 256], got {block_size!r}")
-
-
-def check_watermark(watermark: float) -> None:
-    """Raise ValueError unless ``watermark`` is in [0, 1)."""
-    if not 0.0 <= watermark < 1.0:
-        raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
-
-
-class PrefixCacheCounters:
-    """Mixed into every manager: prefix-cache lookups counted in tokens."""
-
-    prefix_cache_queries: int       # tokens looked up (vllm:prefix_cache_queries_total)
-    prefix_cache_hits: int          # of those, found (vllm:prefix_cache_hits_total)
-
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
+from ..sizing.blocks import check_block_size
+from .common import BlockUsage, PrefixCacheStats, check_watermark
 
 
 class SeqBlocks(NamedTuple):
@@ -59,10 +34,10 @@ class V1Snapshot(NamedTuple):
     tables: dict[int, SeqBlocks]
     pool: tuple                          # the manager's own pool or tree state
     per_seq: tuple
-    counters: tuple[int, int]
+    counters: tuple[int, ...]           # V1ManagerBase._counters()
 
 
-class V1ManagerBase(PrefixCacheCounters):
+class V1ManagerBase:
     """What both V1 managers hold and answer alike. Keys are sequence ids (a V1 request is
     one sequence); a subclass sets ``req_to_blocks[seq]`` and ``num_slots[seq]`` together,
     and says how many of its free blocks are cached (:meth:`_free_counts`)."""
@@ -84,7 +59,10 @@ class V1ManagerBase(PrefixCacheCounters):
         self.num_slots: dict[int, int] = {}          # tokens with a slot
         self.num_cached_block: dict[int, int] = {}   # leading blocks that are the cache's
         self.salts: dict[int, Hashable] = {}
-        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.prefix_cache_queries = 0     # tokens looked up (vllm:prefix_cache_queries_total)
+        self.prefix_cache_hits = 0        # of those, found (vllm:prefix_cache_hits_total)
+        self.prefix_cache_preempted_queries = 0   # re-admissions after a preemption, apart
+        self.prefix_cache_preempted_hits = 0
 
     # ------------------------------------------------------------------------ queries
     def has_seq(self, seq_id: int) -> bool:
@@ -109,12 +87,32 @@ class V1ManagerBase(PrefixCacheCounters):
             raise ValueError(f"seq {seq_id}: {total} tokens to hold, it has {len(token_ids)}")
         return total
 
-    def record_prefix_cache_stats(self, num_tokens: int, num_hit_tokens: int) -> None:
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
+
+    def record_prefix_cache_stats(self, num_tokens: int, num_hit_tokens: int,
+                                  preempted: bool = False) -> None:
         """Count one admitted sequence's lookup (``vllm:prefix_cache_queries`` / ``_hits``):
-        once, when it is admitted, however many steps it waited."""
-        if self.enable_caching:
+        once, when it is admitted, however many steps it waited. A sequence admitted again
+        after a preemption counts apart (``prefix_cache_preempted_queries`` / ``_hits``), as
+        vLLM 0.33.0's ``PrefixCacheStats.record`` counts it: not in the exported counters."""
+        if not self.enable_caching:
+            return
+        if preempted:
+            self.prefix_cache_preempted_queries += num_tokens
+            self.prefix_cache_preempted_hits += num_hit_tokens
+        else:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
+
+    def _counters(self) -> tuple[int, int, int, int]:
+        return (self.prefix_cache_queries, self.prefix_cache_hits,
+                self.prefix_cache_preempted_queries, self.prefix_cache_preempted_hits)
+
+    def _load_counters(self, counters: tuple[int, ...]) -> None:
+        (self.prefix_cache_queries, self.prefix_cache_hits,
+         self.prefix_cache_preempted_queries, self.prefix_cache_preempted_hits) = counters
 
     def free(self, seq_id: int) -> None:
         """Give the sequence's blocks back (each manager its own way)."""

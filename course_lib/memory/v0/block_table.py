@@ -12,10 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: how many blocks of size b hold a tokens."""
-    return -(-a // b)
+from ...sizing.units import cdiv
 
 
 def common_full_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> int:
@@ -41,7 +38,8 @@ class BlockTable:
     extra_key: Hashable = ()      # salt mixed into every block hash of this sequence
     cache_parent: tuple[int, int] | None = None  # cached block that holds block num_cached-1
     handed_out: bool = False      # ``blocks`` itself was handed out (no copy): copy it first
-                                  # before changing it (see :meth:`writable_blocks`)
+                                  # before changing it (see :meth:`writable_blocks`; only the
+                                  # fast twin, ``fast.py``, hands lists out)
 
     @property
     def num_tokens(self) -> int:

@@ -1,16 +1,27 @@
 """SGLang's prefix cache: a radix tree over token ids (RadixAttention), pure Python.
 
-SGLang (``python/sglang/srt/mem_cache/radix_cache.py`` in SGLang 0.5.23) keeps no block hashes:
-it keeps every cached prefix in a radix tree whose edges are runs of token ids and whose values
-are the KV-cache slots of those tokens (one slot per token when ``page_size`` is 1, whole pages
-otherwise). Where vLLM finds a prefix by hashing block after block and looking each hash up,
-SGLang walks the tree from the root; where vLLM can only share whole blocks, a radix tree at
-page size 1 shares any prefix, token by token.
+SGLang keeps no block hashes: it keeps every cached prefix in a radix tree whose edges are runs
+of token ids and whose values are the KV-cache slots of those tokens (one slot per token when
+``page_size`` is 1, whole pages otherwise). Where vLLM finds a prefix by hashing block after
+block and looking each hash up, SGLang walks the tree from the root; where vLLM can only share
+whole blocks, a radix tree at page size 1 shares any prefix, token by token.
+
+This module follows SGLang 0.5.23's ``RadixCache``
+(``python/sglang/srt/mem_cache/radix_cache.py``), the tree in its plain form. SGLang's server
+builds ``UnifiedRadixCache`` instead (``srt/mem_cache/unified_radix_cache.py``, picked in
+``srt/mem_cache/registry.py``), which keeps this algorithm (match and split, lock refs,
+eviction of unlocked leaves, least recently used by default) over a tree core in Rust by default
+(``srt/mem_cache/unified_cache/``, with a Python core as fallback) and adds sliding-window and
+Mamba state and a host-memory tier; ``RadixCache`` backs the scheduler's simulated tree of the
+waiting queue and a few subclasses.
 
 * :meth:`RadixCache.match_prefix`: the slots of the longest cached prefix, and its last node;
   a match that ends inside an edge splits it, so that the boundary is a node.
 * :meth:`RadixCache.insert`: add a request's tokens and slots; returns how many leading tokens
   were cached already (their slots in the request are duplicates: the caller frees them).
+  SGLang's caller (``checkpoint_kv_cache`` in ``srt/mem_cache/common.py``;
+  ``cache_unfinished_req`` in earlier releases) inserts after every prefill chunk and again when
+  the request finishes, frees the duplicates and points the request at the tree's slots.
 * ``inc_lock_ref`` / ``dec_lock_ref``: a running request locks the path to its last node, so
   that nothing it reads is evicted; ``evictable_size`` and ``protected_size`` count tokens.
 * :meth:`RadixCache.evict`: free tokens by removing unlocked leaves, least recently used first
@@ -18,47 +29,20 @@ page size 1 shares any prefix, token by token.
 * A namespace (``extra_key``: a LoRA id, a cache salt) is part of every child key, so equal
   tokens under different namespaces never share nodes.
 
-The slots come from :class:`SlotPool`, a free list of token slots standing in for SGLang's
-``TokenToKVPoolAllocator``. Time is a logical clock (a counter), so eviction order is
-reproducible.
+The slots come from an allocator (``allocator.py``):
+:class:`~course_lib.memory.radix.allocator.SlotPool`, a free list of token slots standing in
+for SGLang's ``TokenToKVPoolAllocator``, or whole blocks (``BlockSlotPool``). Time is a logical
+clock (a counter), so eviction order is reproducible: it ticks where SGLang reads
+``time.monotonic()``, once per lookup or insert (every node on the path gets that time) and
+once more for each node made (a split, a new leaf), so that no two leaves share a time and the
+least recently used one is SGLang's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-
-class SlotPool:
-    """Token slots ``0 .. num_slots-1`` of the KV cache: a free list, O(1) per slot."""
-
-    def __init__(self, num_slots: int) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._is_free = bytearray([1]) * num_slots
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        out = [self._free.pop() for _ in range(n)]
-        for s in out:
-            self._is_free[s] = 0
-        return out
-
-    def free(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            if not 0 <= s < self.num_slots or self._is_free[s]:
-                raise ValueError(f"slot {s} is not allocated (double free?)")
-        for s in slots:
-            self._is_free[s] = 1
-            self._free.append(s)
-
-    def free_slots(self) -> set[int]:
-        return set(self._free)
+from .allocator import SlotPool
 
 
 class TreeNode:
@@ -84,7 +68,7 @@ class RadixCache:
     def __init__(self, num_slots: int, page_size: int = 1, pool: SlotPool | None = None) -> None:
         """``pool``: where slots come from and go back to (default: a :class:`SlotPool` of
         ``num_slots``); anything with ``alloc``, ``free``, ``available_size`` and
-        ``free_slots``, e.g. whole KV-cache blocks (``radix_kv_cache_manager.BlockSlotPool``)."""
+        ``free_slots``, e.g. whole KV-cache blocks (``allocator.BlockSlotPool``)."""
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
@@ -135,10 +119,29 @@ class RadixCache:
             node, tokens = child, tokens[n:]
         return value, node
 
+    def peek_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None
+                    ) -> list[tuple[TreeNode, int]]:
+        """The nodes along the longest cached prefix of ``token_ids`` (whole pages) and how
+        many tokens of each edge match, changing nothing: no split, no access time (a probe,
+        for a caller that may not go on to use the prefix)."""
+        n_pages = len(token_ids) - len(token_ids) % self.page_size
+        tokens, node, path = tuple(token_ids[:n_pages]), self.root, []
+        while tokens:
+            child = node.children.get(self._child_key(tokens, extra_key))
+            if child is None:
+                break
+            n = self._match_len(child.key, tokens)
+            if n:
+                path.append((child, n))
+            if n < len(child.key):
+                break
+            node, tokens = child, tokens[n:]
+        return path
+
     def _split_node(self, child: TreeNode, n: int, extra_key: Hashable) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens: a new node holds the first part."""
         new = TreeNode(child.key[:n], child.value[:n], child.parent, extra_key)
-        new.lock_ref, new.last_access_time = child.lock_ref, child.last_access_time
+        new.lock_ref, new.last_access_time = child.lock_ref, self._tick()   # stamped when made
         child.parent.children[self._child_key(child.key, extra_key)] = new
         child.key, child.value, child.parent = child.key[n:], child.value[n:], new
         new.children[self._child_key(child.key, extra_key)] = child
@@ -158,7 +161,7 @@ class RadixCache:
             child = node.children.get(self._child_key(tokens, extra_key))
             if child is None:
                 new = TreeNode(tokens, value, node, extra_key)
-                new.last_access_time = now
+                new.last_access_time = self._tick()          # stamped when made
                 node.children[self._child_key(tokens, extra_key)] = new
                 self.evictable_size_ += len(tokens)
                 self._update_leaf_status(node)
@@ -205,7 +208,7 @@ class RadixCache:
         recently used first; returns the tokens freed."""
         freed = 0
         while freed < num_tokens and self.evictable_leaves:
-            leaf = min(self.evictable_leaves, key=lambda n: (n.last_access_time, id(n)))
+            leaf = min(self.evictable_leaves, key=lambda n: n.last_access_time)
             self.pool.free(leaf.value)
             freed += len(leaf.value)
             parent = leaf.parent

@@ -1,4 +1,4 @@
-"""Snapshots of :class:`~course_lib.memory.RadixKVCacheManager`'s radix tree.
+"""Snapshots of :class:`~course_lib.memory.radix.kv_cache_manager.RadixKVCacheManager`'s radix tree.
 
 A snapshot copies the tree together with each sequence's locked node (``RadixState``), so that
 a failed engine step can put both back; two snapshots compare by the cached blocks they hold
@@ -8,8 +8,6 @@ a failed engine step can put both back; two snapshots compare by the cached bloc
 from __future__ import annotations
 
 from .radix_cache import RadixCache, TreeNode
-
-__all__ = ["RadixState", "canonical_state", "clone_with_locks"]
 
 
 def clone_with_locks(tree: RadixCache, last_node: dict[int, TreeNode]

@@ -1,10 +1,12 @@
 """The V1 pair with SGLang's radix tree as its prefix cache, instead of block hashes.
 
-:class:`RadixKVCacheManager` answers the V1 scheduler exactly as
-:class:`~course_lib.memory.KVCacheManager` does (``get_computed_blocks``, ``allocate_slots``
-returning ``None`` when short, ``free``, ``forget``, usage, snapshots), but finds cached prefixes
-the way SGLang does (``python/sglang/srt/mem_cache/radix_cache.py``, SGLang 0.5.23): a
-:class:`~course_lib.memory.radix_cache.RadixCache` whose pages are the KV cache's blocks
+:class:`RadixKVCacheManager` answers the V1 scheduler exactly as vLLM V1's ``KVCacheManager``
+(``course_lib/memory/v1/kv_cache_manager.py``) does (``get_computed_blocks``,
+``allocate_slots`` returning ``None`` when short, ``free``, ``forget``, usage, snapshots), but
+finds cached prefixes the way SGLang 0.5.23 does, with the algorithm of its ``RadixCache``
+(``python/sglang/srt/mem_cache/radix_cache.py``), which the ``UnifiedRadixCache`` its server
+builds keeps (``srt/mem_cache/unified_radix_cache.py``; see ``radix_cache.py``'s docstring): a
+:class:`~course_lib.memory.radix.radix_cache.RadixCache` whose pages are the KV cache's blocks
 (``page_size = block_size``), walked token by token from the root. What follows from that:
 
 * **Hits compare tokens, not hashes**: nothing to trust, nothing to collide.
@@ -15,7 +17,11 @@ the way SGLang does (``python/sglang/srt/mem_cache/radix_cache.py``, SGLang 0.5.
   of its cached prefix (``inc_lock_ref``), so nothing it reads is evicted.
 * As in V1, full blocks enter the cache when they are allocated for tokens this step computes,
   and a block that fills up to match content already in the tree is not merged: that sequence's
-  later blocks stay private (freed, not cached, when it ends).
+  later blocks stay private (freed, not cached, when it ends). SGLang inserts a request's
+  computed prefix after every prefill chunk has run and again when the request finishes
+  (``checkpoint_kv_cache`` in ``srt/mem_cache/common.py``), and frees the request's slots that
+  duplicate the tree's, switching the request onto the tree's copy; this manager does neither
+  the freeing nor the switch.
 
 A block is in exactly one place: the free stack, the tree (evictable when unlocked), or one
 sequence's private tail.
@@ -25,68 +31,19 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from .block_table import cdiv
-from .manager_base import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
-from .pool import EVICTABLE, FREE, HELD
+from ...sizing.units import cdiv
+from ..common import EVICTABLE, FREE, HELD
+from ..v1_interface import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
+from .allocator import BlockSlotPool
 from .radix_cache import RadixCache, TreeNode
-from .radix_state import RadixState, canonical_state, clone_with_locks
-
-__all__ = ["BlockSlotPool", "RadixKVCacheManager", "RadixState", "canonical_state"]
-
-
-class BlockSlotPool:
-    """Token slots handed out as whole blocks: slot ``b * block_size + i`` is slot ``i`` of
-    block ``b`` (SGLang's ``PagedTokenToKVPoolAllocator`` in ``allocator/paged.py``).
-    ``alloc(n)`` takes ``n / block_size`` blocks from a stack; ``free`` gives whole blocks
-    back."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))    # pop() gives 0 first
-        self._is_free = bytearray([1]) * num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def available_size(self) -> int:
-        return len(self.free_blocks) * self.block_size
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n % self.block_size:
-            raise ValueError(f"allocate whole blocks: {n} is not a multiple of "
-                             f"{self.block_size}")
-        if n > self.available_size():
-            return None
-        bs, out = self.block_size, []
-        for _ in range(n // bs):
-            b = self.free_blocks.pop()
-            self._is_free[b] = 0
-            out += range(b * bs, (b + 1) * bs)
-        return out
-
-    def free(self, slots: Sequence[int]) -> None:
-        bs = self.block_size
-        blocks = [slots[i] // bs for i in range(0, len(slots), bs)]
-        for i, b in enumerate(blocks):
-            if list(slots[i * bs:(i + 1) * bs]) != list(range(b * bs, (b + 1) * bs)):
-                raise ValueError(f"slots {list(slots[i * bs:(i + 1) * bs])} are not one block")
-            if not 0 <= b < self.num_blocks or self._is_free[b]:
-                raise ValueError(f"block {b} is not allocated (double free?)")
-        for b in blocks:
-            self._is_free[b] = 1
-            self.free_blocks.append(b)
-
-    def free_slots(self) -> set[int]:
-        bs = self.block_size
-        return {b * bs + i for b in self.free_blocks for i in range(bs)}
+from .snapshot import RadixState, clone_with_locks
 
 
 class RadixKVCacheManager(V1ManagerBase):
     """V1's KV-cache manager interface over SGLang's radix tree (module docstring). The
     accessors both V1 managers share (``has_seq``, ``seq_ids``, ``prefix_cache_stats``,
     ``record_prefix_cache_stats``, ``forget``, ``usage``) are
-    :class:`~course_lib.memory.manager_base.V1ManagerBase`'s."""
+    :class:`~course_lib.memory.v1_interface.V1ManagerBase`'s."""
 
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024,
                  enable_caching: bool = True, watermark: float = 0.0) -> None:
@@ -107,7 +64,7 @@ class RadixKVCacheManager(V1ManagerBase):
 
     def _namespace(self, seq_id: int) -> Hashable:
         salt = self.salts.get(seq_id)               # typed: 1, True and 1.0 never share
-        return None if salt is None else (type(salt).__name__, salt)
+        return (type(salt).__name__, salt) if salt else None     # "" is no salt (SGLang's)
 
     def _slots(self, blocks: Sequence[int]) -> list[int]:
         bs = self.block_size
@@ -116,19 +73,11 @@ class RadixKVCacheManager(V1ManagerBase):
     def _peek(self, tokens: Sequence[int], ns: Hashable) -> tuple[list[int], int]:
         """Blocks of the longest cached prefix of ``tokens`` (whole blocks) and how many of
         them are unlocked, without splitting or touching anything."""
-        tree, node, blocks, unlocked = self.tree, self.tree.root, [], 0
-        tokens = tuple(tokens[:len(tokens) - len(tokens) % self.block_size])
-        while tokens:
-            child = node.children.get(tree._child_key(tokens, ns))
-            if child is None:
-                break
-            n = tree._match_len(child.key, tokens)
-            new = [s // self.block_size for s in child.value[:n:self.block_size]]
+        blocks, unlocked, bs = [], 0, self.block_size
+        for node, n in self.tree.peek_prefix(tokens, ns):
+            new = [s // bs for s in node.value[:n:bs]]
             blocks += new
-            unlocked += len(new) if child.lock_ref == 0 else 0
-            if n < len(child.key):
-                break
-            node, tokens = child, tokens[n:]
+            unlocked += len(new) if node.lock_ref == 0 else 0
         return blocks, unlocked
 
     # -------------------------------------------------------------- look up, allocate
@@ -176,7 +125,7 @@ class RadixKVCacheManager(V1ManagerBase):
     def _cache_full_blocks(self, seq_id: int, token_ids: list[int], num_full: int) -> None:
         """Insert the sequence's full blocks past its cached prefix into the tree, and move
         its lock to the new end; a sequence whose new block duplicates a cached one stops
-        caching (no merge, as in V1)."""
+        caching (no merge, as in V1; SGLang would switch it onto the tree's copy)."""
         done = self.num_cached_block.get(seq_id, 0)
         if seq_id in self.diverged or num_full <= done:
             return
@@ -255,7 +204,7 @@ class RadixKVCacheManager(V1ManagerBase):
     # ------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> V1Snapshot:
         in_tree = self._tree_blocks()
-        state = bytearray(FREE if self.pool._is_free[b] else
+        state = bytearray(FREE if self.pool.is_free(b) else
                           EVICTABLE if b in in_tree and in_tree[b].lock_ref == 0 else HELD
                           for b in range(self.num_gpu_blocks))
         tables = {s: SeqBlocks(list(b)) for s, b in self.req_to_blocks.items()}
@@ -263,7 +212,7 @@ class RadixKVCacheManager(V1ManagerBase):
                    dict(self.num_cached_block), set(self.diverged), dict(self.salts))
         return V1Snapshot(PoolState(state), PoolState(bytearray()), tables,
                           RadixState(self.tree, self.last_node),
-                          per_seq, (self.prefix_cache_queries, self.prefix_cache_hits))
+                          per_seq, self._counters())
 
     def restore(self, snap: V1Snapshot) -> None:
         self.tree, self.last_node = clone_with_locks(snap.pool.tree, snap.pool.last_node)
@@ -272,4 +221,4 @@ class RadixKVCacheManager(V1ManagerBase):
         self.req_to_blocks = {s: list(b) for s, b in tables.items()}
         self.num_slots, self.num_cached_block = dict(slots), dict(cached)
         self.diverged, self.salts = set(diverged), dict(salts)
-        self.prefix_cache_queries, self.prefix_cache_hits = snap.counters
+        self._load_counters(snap.counters)

@@ -1,7 +1,7 @@
 """KVCacheManager: vLLM V1's block manager (``vllm/v1/core/kv_cache_manager.py``, vLLM 0.33.0),
-for one full-attention KV-cache group, over :class:`~course_lib.memory.block_pool.BlockPool`.
+for one full-attention KV-cache group, over :class:`~course_lib.memory.v1.block_pool.BlockPool`.
 
-What V1 does differently from the V0 pair (:class:`~course_lib.memory.manager.BlockManager`):
+What V1 does differently from the V0 pair (:class:`~course_lib.memory.v0.manager.BlockManager`):
 
 * **No copy-on-write, no swap, no fork.** A V1 request is one sequence. Parallel sampling runs
   ``n`` child requests that share the prompt's full blocks through the prefix cache; beam search
@@ -18,43 +18,53 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.manager.Bl
   request admitted later in the same step may hit them, because in one forward pass each layer
   writes every new token's K/V before any token attends. (The V0 pair caches blocks only after
   the step ran: its preemptions and swaps can give blocks away between schedule and forward.)
-* **Hits trust the hash** (sha256): no token check. The V0 pair's verified hit is the other
-  choice; chapter 06 compares the two.
-* **The watermark** (vLLM 0.33's ``watermark``, default 0) holds back blocks from admissions of
-  waiting requests only, never from running ones.
+* **Hits trust the hash** (sha256 by default, or vLLM's other three, ``block_pool.py``): no
+  token check. The V0 pair's verified hit is the other choice; chapter 06 compares the two.
+* **The watermark** (vLLM 0.33's ``watermark``, default 0) holds back blocks from waiting and
+  preempted requests, never from running ones, and in vLLM only while some request is running
+  (``has_scheduled_reqs=bool(self.running)`` in ``vllm/v1/core/sched/scheduler.py``; the test
+  is in ``allocate_slots``): into an empty engine vLLM admits a request without it. The course's
+  manager does not apply it the same way: it holds the watermark back from every admission
+  (``allocate_slots(..., admission=True)``, which ``SchedulerV1`` passes for every waiting or
+  preempted sequence), running requests or none, and ``SchedulerV1`` finishes as ignored a
+  prompt that needs more blocks than the pool less the watermark.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
-from .block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from .block_table import cdiv
-from .manager_base import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
-from .pool import EVICTABLE, FREE, HELD
-
-__all__ = ["KVCacheManager", "PoolState", "SeqBlocks", "V1Snapshot"]
+from ...sizing.units import cdiv
+from ..common import EVICTABLE, FREE, HELD
+from ..v1_interface import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
+from .block_pool import (
+    BlockPool,
+    KVCacheBlock,
+    block_hash_extra_keys,
+    get_hash_fn_by_name,
+    hash_block_tokens,
+    none_hash_for,
+)
 
 
 class KVCacheManager(V1ManagerBase):
     """vLLM V1's KV-cache manager for one group of full-attention layers (module docstring).
 
     Keys are sequence ids (a V1 request is one sequence). ``prefix_caching_hash_algo``:
-    ``"sha256"`` (vLLM's default) or ``"builtin"`` (Python's ``hash``: fast, and weak enough to
-    show what trusting a hash means). The accessors both V1 managers share (``has_seq``,
+    vLLM's ``--prefix-caching-hash-algo``, ``"sha256"`` (the default), ``"sha256_cbor"``,
+    ``"xxhash"`` or ``"xxhash_cbor"`` (``block_pool.HASH_FUNCTIONS``; the xxhash ones seed
+    ``NONE_HASH`` at random per process unless PYTHONHASHSEED is set). Python's ``hash`` is
+    the V0 pair's choice only. The accessors both V1 managers share (``has_seq``,
     ``seq_ids``, ``prefix_cache_stats``, ``record_prefix_cache_stats``, ``usage``) are
-    :class:`~course_lib.memory.manager_base.V1ManagerBase`'s.
+    :class:`~course_lib.memory.v1_interface.V1ManagerBase`'s.
     """
 
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024,
                  enable_caching: bool = True, watermark: float = 0.0,
                  prefix_caching_hash_algo: str = "sha256") -> None:
         super().__init__(block_size, num_gpu_blocks, enable_caching, watermark)
-        if prefix_caching_hash_algo not in ("sha256", "builtin"):
-            raise ValueError(f"prefix_caching_hash_algo must be 'sha256' or 'builtin', "
-                             f"got {prefix_caching_hash_algo!r}")
-        self.hash_fn = hash_block_tokens if prefix_caching_hash_algo == "sha256" else \
-            (lambda parent, tokens, extra: hash((parent, tuple(tokens), extra)))
+        self.hash_fn = get_hash_fn_by_name(prefix_caching_hash_algo)
+        self.none_hash = none_hash_for(self.hash_fn)
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         self.req_to_block_hashes: dict[int, list] = {}
 
@@ -74,8 +84,9 @@ class KVCacheManager(V1ManagerBase):
         bs, salt = self.block_size, self.salts.get(seq_id)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), len(token_ids) // bs):
-            extra = salt if i == 0 else None          # the salt: first block only
-            parent = self.hash_fn(parent, token_ids[i * bs:(i + 1) * bs], extra)
+            extra = block_hash_extra_keys(i * bs, salt)   # the salt: first block only
+            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], extra,
+                                       self.hash_fn, self.none_hash)
             hashes.append(parent)
         return hashes
 
@@ -104,7 +115,8 @@ class KVCacheManager(V1ManagerBase):
         ``new_computed_blocks`` of a prefix hit, for a sequence being admitted). Returns the
         sequence's block ids, or None if the pool is short (nothing changes). Full blocks of
         the tokens this step computes enter the prefix cache now (see the module docstring).
-        ``admission``: a waiting sequence, held to the watermark."""
+        ``admission``: a waiting or preempted sequence, held to the watermark (always here;
+        vLLM only while some request is running: module docstring)."""
         total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens,
                                      len(new_computed_blocks) * self.block_size, num_new_tokens)
         blocks = self.req_to_blocks.get(seq_id, [])
@@ -174,7 +186,7 @@ class KVCacheManager(V1ManagerBase):
                    {s: list(h) for s, h in self.req_to_block_hashes.items()},
                    dict(self.num_cached_block), dict(self.num_slots), dict(self.salts))
         return V1Snapshot(PoolState(state), PoolState(bytearray()), tables, pool.snapshot(),
-                          per_seq, (self.prefix_cache_queries, self.prefix_cache_hits))
+                          per_seq, self._counters())
 
     def restore(self, snap: V1Snapshot) -> None:
         self.block_pool.restore(snap.pool)
@@ -184,4 +196,4 @@ class KVCacheManager(V1ManagerBase):
         self.req_to_block_hashes = {s: list(h) for s, h in hashes.items()}
         self.num_cached_block, self.num_slots, self.salts = dict(cached), dict(slots), \
             dict(salts)
-        self.prefix_cache_queries, self.prefix_cache_hits = snap.counters
+        self._load_counters(snap.counters)

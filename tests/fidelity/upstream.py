@@ -1,0 +1,263 @@
+"""Import vLLM 0.33.0's and SGLang 0.5.23's pure-Python KV-cache modules from the fetched
+sources (tests/fidelity/fetch.py), without torch, CUDA or the rest of either package.
+
+How: a meta-path finder serves three kinds of module while :func:`load` runs.
+
+* **Real**: the modules the algorithm lives in (``REAL_VLLM`` / ``REAL_SGLANG``) are executed
+  from the extracted files, unchanged.
+* **Packages** above them (``vllm``, ``vllm.v1``, ...): empty packages, so that importing
+  ``vllm.v1.core.block_pool`` does not run ``vllm/__init__.py`` (which imports torch and the
+  engine).
+* **Stubs**: every other module they import (``torch``, ``vllm.config``, ``vllm.v1.request``,
+  ``sglang.srt.observability...``): a module whose every attribute is a placeholder class
+  (:class:`Placeholder`), except the few names below that the algorithm does read
+  (``OVERRIDES``: a logger, ``envs`` flags, a list-backed stand-in for the torch tensor that
+  SGLang's radix tree slices and clones).
+
+A placeholder only has to exist: it is an import, an annotation, a default argument, a type
+in an ``isinstance`` check the course's operations never satisfy (KV events, metrics, Mamba,
+sliding windows, hybrid models). A placeholder that is *called* in a code path the harness
+uses fails loudly (:class:`Placeholder` raises), so a stub can never stand in for the real
+algorithm silently.
+
+The third-party stubs (torch, msgspec, zmq, ...) leave ``sys.modules`` when loading ends, so
+a real torch imported later in the same process is the real one; the loaded ``vllm.*`` and
+``sglang.*`` modules stay (they name themselves as the real ones do).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+REAL_VLLM = (
+    "vllm.utils.math_utils",
+    "vllm.utils.hashing",
+    "vllm.v1.kv_cache_spec_registry",
+    "vllm.v1.kv_cache_interface",
+    "vllm.v1.metrics.stats",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.kv_cache_metrics",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.single_type_kv_cache_manager",
+    "vllm.v1.core.kv_cache_coordinator",
+    "vllm.v1.core.kv_cache_manager",
+)
+REAL_SGLANG = (
+    "sglang.srt.mem_cache.evict_policy",
+    "sglang.srt.mem_cache.utils",
+    "sglang.srt.mem_cache.events",
+    "sglang.srt.mem_cache.cache_init_params",
+    "sglang.srt.mem_cache.base_prefix_cache",
+    "sglang.srt.mem_cache.radix_cache",
+)
+STUBBED_ROOTS = ("torch", "triton", "msgspec", "zmq", "numpy", "cbor2_", "sgl_kernel",
+                 "transformers", "PIL", "psutil", "prometheus_client", "pydantic")
+
+
+class _PlaceholderType(type):
+    def __getattr__(cls, name: str) -> Any:       # Enum.MEMBER, Class.CONSTANT
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(f"{cls.__module__}.{cls.__qualname__}", name)
+        setattr(cls, name, value)
+        return value
+
+
+class Placeholder(metaclass=_PlaceholderType):
+    """What a stubbed module's attributes are: a class, so that it can be subclassed, used in
+    ``X | Y`` and ``isinstance``; its attributes are placeholders too (``Enum.MEMBER``);
+    subscripting it (``Foo[int]``) gives itself; calling it raises: the harness must not be
+    running stubbed code."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__module__}.{type(self).__qualname__} is a stub: "
+                           "the fidelity harness reached code it does not load for real")
+
+    def __class_getitem__(cls, item):
+        return cls
+
+    def __init_subclass__(cls, **kwargs):          # accept class keywords (total=False, ...)
+        pass
+
+
+def _placeholder(module: str, name: str) -> type:
+    return type(name, (Placeholder,), {"__module__": module, "__qualname__": name})
+
+
+class _StubModule(types.ModuleType):
+    def __init__(self, name: str, overrides: dict[str, Any]) -> None:
+        super().__init__(name)
+        self.__path__ = []                          # a package: submodules are stubs too
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(self.__name__, name)
+        setattr(self, name, value)
+        return value
+
+
+# ------------------------------------------------------------------ what the algorithm reads
+class _Logger(logging.LoggerAdapter):
+    """vLLM's logger: a stdlib logger with ``*_once`` methods."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.getLogger(name), {})
+
+    def warning_once(self, msg, *args, **kwargs):
+        self.warning(msg, *args)
+
+    def info_once(self, msg, *args, **kwargs):
+        self.info(msg, *args)
+
+    def debug_once(self, msg, *args, **kwargs):
+        self.debug(msg, *args)
+
+
+class Tensor(list):
+    """The slice of torch's 1-D int64 tensor SGLang's radix tree uses: slicing gives a tensor,
+    ``clone``, ``to``, ``tolist``, ``len``."""
+
+    def __getitem__(self, idx):
+        out = super().__getitem__(idx)
+        return Tensor(out) if isinstance(idx, slice) else out
+
+    def clone(self) -> Tensor:
+        return Tensor(self)
+
+    def to(self, *args, **kwargs) -> Tensor:
+        return Tensor(self)
+
+    def tolist(self) -> list:
+        return list(self)
+
+
+def _torch() -> dict[str, Any]:
+    def tensor(data, dtype=None, device=None):
+        return Tensor(data)
+
+    def empty(shape, dtype=None, device=None):
+        assert tuple(shape) == (0,), shape
+        return Tensor()
+
+    def cat(values):
+        return Tensor(x for v in values for x in v)
+
+    class device(str):                             # noqa: N801 (torch's name)
+        pass
+
+    class iinfo:                                   # noqa: N801 (torch's name)
+        def __init__(self, dtype):
+            self.max, self.min = 2**63 - 1, -2**63
+
+    return {"Tensor": Tensor, "tensor": tensor, "empty": empty, "cat": cat, "device": device,
+            "iinfo": iinfo, "int64": "int64", "int32": "int32", "dtype": type("dtype", (), {})}
+
+
+class _VllmEnvs(types.ModuleType):
+    """``vllm.envs``: every flag off (None) except those the modules read, at their defaults."""
+
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class _SglangEnvs:
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"sglang envs.{name} is stubbed")
+
+
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "vllm.logger": {"init_logger": _Logger},
+    # no engine config: KVCacheSpecRegistry registers the built-in specs without one
+    "vllm.config": {"get_current_vllm_config_or_none": lambda: None},
+    # vllm.platforms.interface.Platform.register_custom_kv_cache_specs: none by default
+    "vllm.platforms": {"current_platform": types.SimpleNamespace(
+        register_custom_kv_cache_specs=lambda vllm_config: None)},
+    "torch": _torch(),
+    "sglang.srt.environ": {"envs": _SglangEnvs()},
+}
+MODULE_OVERRIDES = {"vllm.envs": lambda: _VllmEnvs("vllm.envs")}
+
+
+# ------------------------------------------------------------------------------- the finder
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: dict[str, Path], real: set[str]) -> None:
+        self.roots, self.real = roots, real
+        self.packages = {n.rsplit(".", i)[0] for n in real for i in range(1, n.count(".") + 1)}
+
+    def _ours(self, name: str) -> bool:
+        top = name.split(".")[0]
+        return top in self.roots or top in STUBBED_ROOTS
+
+    def find_spec(self, name, path=None, target=None):
+        if not self._ours(name):
+            return None
+        if name in self.real:
+            top = name.split(".")[0]
+            file = self.roots[top] / (name.replace(".", "/") + ".py")
+            return importlib.util.spec_from_file_location(name, file)
+        return importlib.util.spec_from_loader(name, self, is_package=True)
+
+    def create_module(self, spec):
+        name = spec.name
+        if name in MODULE_OVERRIDES:
+            return MODULE_OVERRIDES[name]()
+        if name in self.packages:
+            module = types.ModuleType(name)
+            module.__path__ = []
+            return module
+        return _StubModule(name, OVERRIDES.get(name, {}))
+
+    def exec_module(self, module):
+        pass
+
+
+def load(roots: dict[str, Path], modules: tuple[str, ...],
+         warm=lambda loaded: None) -> dict[str, types.ModuleType]:
+    """Import ``modules`` (real, from the files under ``roots``: top-level package -> the
+    folder holding it) and return them by name; ``warm(loaded)`` runs while the stubs are in
+    place (for the code's own lazy imports)."""
+    for top, root in roots.items():
+        if not (root / top).is_dir():
+            raise FileNotFoundError(f"{root / top} is missing: run tests/fidelity/fetch.py")
+    before = set(sys.modules)
+    finder = _Finder(roots, set(modules))
+    sys.meta_path.insert(0, finder)
+    try:
+        loaded = {name: importlib.import_module(name) for name in modules}
+        warm(loaded)
+    finally:
+        sys.meta_path.remove(finder)
+        for name in set(sys.modules) - before:
+            if name.split(".")[0] in STUBBED_ROOTS:
+                del sys.modules[name]
+    for name, module in loaded.items():
+        where = Path(module.__file__).resolve()
+        assert where.is_relative_to(roots[name.split(".")[0]].resolve()), (name, where)
+    return loaded
+
+
+def load_vllm(root: Path) -> types.SimpleNamespace:
+    """vLLM 0.33.0's modules, by their last name (``ns.block_pool``, ``ns.kv_cache_utils``)."""
+    def warm(loaded):          # the spec -> manager registry fills itself on first use
+        loaded["vllm.v1.kv_cache_spec_registry"].KVCacheSpecRegistry._ensure_registered()
+
+    mods = load({"vllm": root}, REAL_VLLM, warm)
+    return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})
+
+
+def load_sglang(root: Path) -> types.SimpleNamespace:
+    mods = load({"sglang": root}, REAL_SGLANG)
+    return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})
