@@ -14,6 +14,12 @@ KV memory saved by sharing (printed, never asserted).
    (width 2, 4, 6); saving = 1 - blocks held / blocks the same sequences would hold without
    sharing, summed over steps (the vLLM paper's Fig. 15 measure; its Alpaca ranges: parallel
    sampling 6.1-9.8%, beam search 37.6-55.2%).
+3. **A step beside a waiting queue**: the same batch of 8 decoding sequences, with 0, 1,000,
+   8,000 and 16,000 requests waiting behind them (``max_num_seqs=8``: none gets in), for each
+   design (V0, V1 over hash chains, V1 over the radix tree). The step's transaction saves
+   what the step can touch, never the waiting queue, so the step time must stay within 20%;
+   printed with the share of a step spent beginning the transaction (the scheduler's and the
+   block manager's snapshots).
 
     python bench/engine.py            # full run (a few minutes on 2 shared cores)
     python bench/engine.py --quick    # small sizes, for a smoke test
@@ -89,6 +95,41 @@ def table_sharing(model, num_requests: int, sizes: list[int]) -> None:
             print(f"{label:>16} {100 * r.saving:>7.1f}% {f'{lo}-{hi}%':>15}")
 
 
+def table_waiting_queue(model, sizes: list[int], steps: int) -> None:
+    import statistics
+    import time
+
+    print(f"\n3. one step of 8 decoding sequences beside a waiting queue (median of {steps} "
+          "steps, CPU time)")
+    print(f"{'design':>10} {'waiting':>8} {'step ms':>8} {'vs 0':>6} {'transaction':>12}")
+    for design, prefix_cache in (("v0", "hash"), ("v1", "hash"), ("v1", "radix")):
+        label, base = design if prefix_cache == "hash" else "v1 radix", None
+        for waiting in sizes:
+            sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256)
+            cc = CacheConfig(16, 512, enable_prefix_caching=True, prefix_cache=prefix_cache)
+            eng = LLMEngine(model, sc, cc, stop_token_ids=(), design=design)
+            long = SamplingParams(max_tokens=200, temperature=0.0)
+            for i in range(8):
+                eng.add_request([65 + i, 66, 67], long)
+            eng.step()                                   # the batch prefilled, now decoding
+            for i in range(waiting):
+                eng.add_request([70 + i % 20, 71, 72], long)
+            times, begins = [], []
+            for _ in range(steps):
+                t0 = time.process_time()
+                txn = eng._begin()                       # what a step's transaction costs
+                begins.append(time.process_time() - t0)
+                eng._rollback(txn)
+                t0 = time.process_time()
+                eng.step()
+                times.append(time.process_time() - t0)
+            ms, begin = 1e3 * statistics.median(times), 1e3 * statistics.median(begins)
+            base = base or ms
+            print(f"{label:>10} {waiting:>8,} {ms:>8.2f} {ms / base:>5.2f}x "
+                  f"{100 * begin / ms:>10.1f} %")
+    print("   target: within 1.2x of the step with nothing waiting")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
@@ -101,9 +142,11 @@ def main() -> None:
     if args.quick:
         table_throughput(model, 24, [64])
         table_sharing(model, 6, [2])
+        table_waiting_queue(model, [0, 1000], 5)
     else:
         table_throughput(model, 200, [64, 128])
         table_sharing(model, 60, [2, 4, 6])
+        table_waiting_queue(model, [0, 1000, 8000, 16000], 20)
 
 
 if __name__ == "__main__":

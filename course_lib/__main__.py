@@ -19,26 +19,72 @@ after the replay, for ``curl`` or Prometheus; ``serve-metrics --help`` says what
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+
+# Upper bounds of the CLI's own (the library checks the rest): beyond them a run would take
+# hours or exhaust memory instead of failing at once.
+MAX_NUM_REQUESTS = 100_000        # model-free: 2,000 in about 10 s; the engine: 200 in 8 s
+MAX_MODEL_FREE_BLOCKS = 2 ** 20   # the model-free block manager's bookkeeping stays small
+MAX_HOLD_S = 7 * 24 * 3600        # a week; time.sleep overflows near 2**63 ns
+MAX_SEED = 2 ** 64 - 1            # SamplingParams' seed range
+ENGINE_MAX_NUM_SEQS, ENGINE_MAX_MODEL_LEN = 256, 256     # serve-metrics' engine
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+def _int_in(lo: int, hi: int | None = None, what: str = "an integer",
+            hi_text: str | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in ``[lo, hi]`` (``hi`` None: no bound, ``hi_text``: how the
+    message writes it); the message names the range (argparse prefixes the option's name)."""
+    where = f"{what} >= {lo}" if hi is None else f"{what} in [{lo}, {hi_text or hi}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
         return value
     return parse
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 0..65535 (0: any free one), "
-                                         f"got {text}")
+def _real_in(lo: float, hi: float | None = None, *, lo_open: bool = False,
+             inf: bool = False, what: str = "a finite number") -> Callable[[str], float]:
+    """argparse type: a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; ``hi``
+    None: no bound), or ``inf`` where ``inf`` says so; never nan."""
+    if hi is None:
+        where = f"{what} {'>' if lo_open else '>='} {lo:g}"
+    else:
+        where = f"{what} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    where += " (or inf)" if inf else ""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text!r}") from None
+        if value == math.inf and inf:
+            return value
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) \
+                or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
+        return value
+    return parse
+
+
+def _block_size(text: str) -> int:
+    """argparse type: a power of two in [1, 256], as ``CacheConfig`` wants it."""
+    value = _int_in(1, 256, "a power of two")(text)
+    if value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two in [1, 256], got {text}")
     return value
+
+
+_positive_int = _int_in(1)
+_port = _int_in(0, 65535, "a TCP port (0: any free one)")
+_seed = _int_in(0, MAX_SEED, hi_text="2**64 - 1")
 
 
 SERVE_METRICS_HELP = """\
@@ -76,15 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate text from a prompt with the tiny model through "
                          f"the paged KV cache ({TOKENS_ARE_BYTES}).")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=_positive(int), default=40,
+    gen.add_argument("--max-tokens", type=_positive_int, default=40,
                      help=f"tokens to generate (default 40); {TOKENS_ARE_BYTES}")
-    gen.add_argument("--n", type=_positive(int), default=1, help="parallel samples")
-    gen.add_argument("--beam-width", type=_positive(int), default=1,
+    gen.add_argument("--n", type=_positive_int, default=1, help="parallel samples")
+    gen.add_argument("--beam-width", type=_positive_int, default=1,
                      help="beam search (runs every beam to --max-tokens, past <eos>)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--block-size", type=int, default=16, help="tokens (bytes) per KV block")
+    gen.add_argument("--temperature", type=_real_in(0.0), default=0.0,
+                     help="0: greedy")
+    gen.add_argument("--top-p", type=_real_in(0.0, 1.0, lo_open=True), default=1.0)
+    gen.add_argument("--seed", type=_seed, default=None)
+    gen.add_argument("--block-size", type=_block_size, default=16,
+                     help="tokens (bytes) per KV block")
     srv = sub.add_parser("serve-metrics", help="replay a trace while serving /metrics",
                          description=SERVE_METRICS_HELP,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,20 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="request lengths: ShareGPT-like (chats, long answers) or "
                      "Alpaca-like (short instructions); for the engine, fitted to the model's "
                      "256-byte context")
-    srv.add_argument("--num-requests", type=_positive(int), default=200)
-    srv.add_argument("--rate", type=_positive(float), default=float("inf"),
-                     help="requests per second (Poisson); default: all at once")
-    srv.add_argument("--seed", type=int, default=0)
-    srv.add_argument("--num-gpu-blocks", type=_positive(int), default=None,
-                     help="KV pool (default: 128 for the engine, 2048 model-free)")
-    srv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    srv.add_argument("--num-requests", type=_int_in(1, MAX_NUM_REQUESTS), default=200)
+    srv.add_argument("--rate", type=_real_in(0.0, lo_open=True, inf=True),
+                     default=float("inf"), help="requests per second (Poisson); default: all "
+                     "at once (the engine replays in real time: N requests take N / rate s)")
+    srv.add_argument("--seed", type=_seed, default=0)
+    srv.add_argument("--num-gpu-blocks", type=_int_in(1, MAX_MODEL_FREE_BLOCKS), default=None,
+                     help="KV pool (default: 128 for the engine, 2048 model-free; the engine "
+                     f"takes at most {ENGINE_MAX_NUM_SEQS} sequences x {ENGINE_MAX_MODEL_LEN} "
+                     "tokens' worth)")
+    srv.add_argument("--block-size", type=_block_size, default=16, help="tokens per KV block")
     srv.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     srv.add_argument("--model-free", action="store_true",
                      help="the cost-model replay (no model), at the lengths of a 2,048-token "
                      "server (a real model's tokens there, not bytes)")
-    srv.add_argument("--hold", type=float, default=0.0,
-                     help="seconds to keep serving after the replay (default 0: the server "
-                     "stops with it)")
+    srv.add_argument("--hold", type=_real_in(0.0, MAX_HOLD_S, what="a number of seconds"),
+                     default=0.0, help="seconds to keep serving after the replay (default 0: "
+                     "the server stops with it; Ctrl-C stops it earlier)")
     srv.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -202,9 +253,16 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
         from .engine.workloads import model_trace, run_trace
 
         blocks = args.num_gpu_blocks or 128
+        most = ENGINE_MAX_NUM_SEQS * -(-ENGINE_MAX_MODEL_LEN // args.block_size)
+        if blocks > most:
+            raise ValueError(f"--num-gpu-blocks must be in [1, {most}] for the engine with "
+                             f"--block-size {args.block_size} ({ENGINE_MAX_NUM_SEQS} sequences "
+                             f"of {ENGINE_MAX_MODEL_LEN} tokens at most: more blocks are never "
+                             f"used, only allocated), got {blocks}")
         engine = LLMEngine(
-            scheduler_config=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=512,
-                                             max_model_len=256,
+            scheduler_config=SchedulerConfig(max_num_seqs=ENGINE_MAX_NUM_SEQS,
+                                             max_num_batched_tokens=512,
+                                             max_model_len=ENGINE_MAX_MODEL_LEN,
                                              preemption_mode=args.preemption_mode),
             cache_config=CacheConfig(block_size=args.block_size,
                                      num_gpu_blocks=blocks, num_cpu_blocks=2 * blocks),
@@ -227,17 +285,43 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; bad arguments and expected failures print one line on stderr (no
+    traceback) and give a non-zero status: 2 for a bad value (argparse's own errors too),
+    130 for Ctrl-C."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
         return cmd_serve_metrics(args)
     except ValueError as exc:          # bad values a user can fix: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:            # `... | head`: the reader left, nothing more to say
+        _quiet_stdout()
+        return 1
     except OSError as exc:             # e.g. the port is in use
-        print(f"error: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc.strerror or exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:          # Ctrl-C, e.g. to end --hold early
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so that the interpreter's last flush
+    at exit does not print "Exception ignored ... BrokenPipeError" (the recipe of Python's
+    ``signal`` docs)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture)
+        pass
 
 
 if __name__ == "__main__":

@@ -31,6 +31,18 @@ from dataclasses import dataclass, field
 SAMPLING_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
 MAX_SEED = 2 ** 64
+# At most this many samples or beams per request, as vLLM 0.33.0's SamplingParams checks
+# (``_verify_num_sequences`` in ``vllm/sampling_params.py``; ``VLLM_MAX_N_SEQUENCES``, 16384 by
+# default): a request with n = 10**9 would otherwise make 10**9 sequences before anything runs.
+MAX_N_SEQUENCES = 16384
+
+# The course's sampler (engine/sampler.py: top_p_probs) keeps token i of the sorted
+# distribution unless ``before_i >= top_p``, in float32: the best token has before_0 = 0
+# exactly, so it stays iff float32(top_p) > 0. Round to nearest even sends every top_p <=
+# 2**-150 (half the smallest float32 subnormal, ~7.0e-46) to 0.0, and then no token is kept
+# ("invalid multinomial distribution"); 2**-150 itself ties to 0 (even), the next double
+# above it rounds up to 2**-149. So top_p must be > TOP_P_FLOOR.
+TOP_P_FLOOR = 2.0 ** -150
 
 
 def is_int(value: object) -> bool:
@@ -43,12 +55,13 @@ def token_ids_or_error(ids: Iterable[object], vocab_size: int | None = None,
     """``ids`` as a tuple of Python ints, or ``ValueError`` naming the first bad one (not an
     integer, a bool, negative, or >= ``vocab_size``). Strings and floats are refused, never
     converted: ``"65"`` or ``65.9`` is a caller's bug, not token 65."""
-    if isinstance(ids, (str, bytes)):
-        raise ValueError(f"{what} must be a sequence of ints, got {type(ids).__name__}")
+    valid = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{what} must be a sequence of ints in {valid}, got "
+                         f"{type(ids).__name__} {ids!r:.60}")
     out = []
     for i, t in enumerate(ids):
         if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            valid = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
             raise ValueError(f"{what} must be ints in {valid}; item {i} is {t!r}")
         out.append(int(t))
     return tuple(out)
@@ -62,8 +75,18 @@ class SamplingParams:
     only needs ``max_tokens``, ``n`` and ``beam_width``. Everything is checked here, when the
     request is made, so that a bad value fails its own request at once instead of a step of
     the engine later: a finite ``temperature >= 0`` (below ``SAMPLING_EPS``: greedy; below
-    ``MIN_TEMPERATURE``: sampled at ``MIN_TEMPERATURE``), ``0 < top_p <= 1``, an integer
-    ``seed`` in ``[0, 2**64)``, integer counts >= 1, token ids >= 0; bools are never numbers.
+    ``MIN_TEMPERATURE``: sampled at ``MIN_TEMPERATURE``), ``2**-150 < top_p <= 1``, an integer
+    ``seed`` in ``[0, 2**64)``, integer counts >= 1, token ids >= 0 (``stop_token_ids``: any
+    iterable of them, kept as a tuple); bools are never numbers.
+
+    ``top_p``'s floor is the course sampler's, not vLLM's: ``top_p_probs`` compares ``top_p``
+    in float32, where anything <= 2**-150 (~7.0e-46) rounds to 0 and then not even the most
+    likely token stays (``TOP_P_FLOOR``), so such a request would fail its first step with
+    "invalid multinomial distribution". vLLM 0.33.0 (``vllm/sampling_params.py``,
+    ``_verify_args``) accepts any ``0 < top_p <= 1``: its sampler
+    (``vllm/v1/sample/ops/topk_topp_sampler.py``, ``apply_top_k_top_p_pytorch``) always keeps
+    the most likely token (``top_p_mask[:, -1] = False``), so there a tiny ``top_p`` samples
+    greedily. The course refuses it at the door instead.
     """
 
     max_tokens: int = 16
@@ -81,6 +104,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("n", "beam_width"):         # vLLM's bound: VLLM_MAX_N_SEQUENCES
+            if getattr(self, name) > MAX_N_SEQUENCES:
+                raise ValueError(f"{name} must be at most {MAX_N_SEQUENCES}, got "
+                                 f"{getattr(self, name)} (vLLM's VLLM_MAX_N_SEQUENCES)")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) \
@@ -90,6 +117,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_p <= TOP_P_FLOOR:
+            raise ValueError(f"top_p must be in (2**-150, 1], got {self.top_p!r}: the sampler "
+                             f"compares it in float32, where a top_p <= 2**-150 (~7.0e-46) is "
+                             f"0 and keeps no token")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):

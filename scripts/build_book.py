@@ -104,6 +104,22 @@ def course_map(chapters: list[Path], built: list[Path], readme: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# What a notebook's code carries for its tests, not for a reader: nbval's markers and the
+# comments that explain why an output is not compared.
+TEST_MARKER = re.compile(r"^\s*#\s*(NBVAL_\w+|\(.*\bnot compared\)\s*)$")
+
+
+def strip_test_markers(notebook: dict) -> dict:
+    """The notebook with the test markers taken out of every code cell (in place)."""
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            lines = "".join(cell["source"]).splitlines(keepends=True)
+            kept = [line for line in lines if not TEST_MARKER.match(line)]
+            if len(kept) != len(lines):
+                cell["source"] = kept
+    return notebook
+
+
 def stage(src: Path, chapters: list[Path], built: list[Path]) -> None:
     """Fill the Sphinx source folder `src`: docs/book/, the notebooks to build, _generated/."""
     sys.path.insert(0, str(BOOK_DIR))
@@ -114,7 +130,7 @@ def stage(src: Path, chapters: list[Path], built: list[Path]) -> None:
         sys.path.remove(str(BOOK_DIR))
     shutil.copytree(BOOK_DIR, src, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for nb in built:
-        notebook = json.loads(nb.read_text(encoding="utf-8"))
+        notebook = strip_test_markers(json.loads(nb.read_text(encoding="utf-8")))
         add_widget_snapshots(notebook)
         (src / nb.name).write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n",
                                    encoding="utf-8")

@@ -38,10 +38,19 @@ def test_block_manager_bench_compares_a_revision_and_checks_the_same_work():
 
 
 def test_chaos_bench_runs_quick_and_leaks_nothing():
+    """Per design, a site sweep and a soak: no mismatch with the clean run, no leaked block,
+    no broken invariant, no wedged run, nothing else broken."""
     out = subprocess.run([sys.executable, "bench/chaos.py", "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout
-    assert "faults injected:" in out and "bad inputs refused:" in out
-    assert "blocks leaked: 0 (clean run: 0)" in out
+    for design in ("v0 recompute", "v0 swap", "v1 hash", "v1 radix"):
+        assert f"== {design} ==" in out, out
+    assert out.count("site sweep (first call):") == 4 and out.count("faults injected:") == 8
+    assert out.count("bad inputs refused:") == 4, out
+    assert out.count("mismatches: 0, invariant breaks: 0, leaked blocks: 0, wedged runs: 0, "
+                     "other breaks: 0 runs") == 4, out
+    assert out.count("mismatches: 0, invariant breaks: 0, wedged: no") == 4, out
+    assert out.count("blocks leaked: 0 (clean run: 0); other breaks: none") == 4, out
+    assert out.count(", 0 broke the step") == 4 and "failing: 0" in out, out
 
 
 def test_prefix_caches_bench_runs_quick():

@@ -142,6 +142,21 @@ def test_a_broken_cross_link_is_a_warning(tmp_path):
 # --- the book --------------------------------------------------------------------------------
 
 @pytest.mark.slow
+def test_test_markers_are_stripped_from_code_cells_and_nothing_else():
+    nb = {"cells": [
+        {"cell_type": "code", "source": [
+            "# NBVAL_IGNORE_OUTPUT\n",
+            "# (the backend depends on the machine: chapter 00 explains the three; not compared)\n",
+            "from course_lib.device import BACKEND\n", "# a comment a reader needs\n",
+            "print(BACKEND.name)  # NBVAL_SKIP stays inside a line of code\n"]},
+        {"cell_type": "markdown", "source": ["# NBVAL_IGNORE_OUTPUT is a marker nbval reads\n"]}]}
+    out = build_book.strip_test_markers(nb)
+    assert out["cells"][0]["source"] == [
+        "from course_lib.device import BACKEND\n", "# a comment a reader needs\n",
+        "print(BACKEND.name)  # NBVAL_SKIP stays inside a line of code\n"]
+    assert out["cells"][1]["source"] == ["# NBVAL_IGNORE_OUTPUT is a marker nbval reads\n"]
+
+
 def test_the_build_has_no_warning(book):
     _, warnings = book
     assert warnings == []
@@ -159,6 +174,7 @@ def test_chapter_page_shows_the_stored_outputs(book, notebook):
     assert len(images) == output_images(nb)
     assert all((out / src).is_file() for src in images)
     assert read(out / "_sources" / notebook.name) == read(notebook)  # the download button
+    assert "NBVAL" not in page                                      # test markers stripped
     line = first_printed_line(nb)
     if line is not None:
         assert html.escape(line, quote=False) in page

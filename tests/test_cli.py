@@ -77,18 +77,126 @@ def test_help_says_what_to_expect(capsys) -> None:
     assert "curl it from a second one" in text
 
 
+def cli(args: list[str], capsys) -> tuple[int, str]:
+    """``main(args)``'s exit status (argparse's own errors exit 2) and what it printed on
+    stderr."""
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
 def test_bad_values_give_one_line_errors(capsys) -> None:
-    assert main(["generate", "x", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
-    assert main(["generate", "x", "--temperature", "nan"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: temperature must be a finite number") and err.count("\n") == 1
+    code, err = cli(["generate", "x", "--temperature", "-1"], capsys)
+    assert code == 2 and "argument --temperature: must be a finite number >= 0, got -1" in err
+    code, err = cli(["generate", "x", "--temperature", "nan"], capsys)
+    assert code == 2 and err.splitlines()[-1].endswith(
+        "argument --temperature: must be a finite number >= 0, got nan")
     for bad in (["generate", "x", "--max-tokens", "0"], ["serve-metrics", "--port", "70000"],
                 ["serve-metrics", "--port", "-1"]):
         with pytest.raises(SystemExit) as exit_:
             main(bad)
         assert exit_.value.code == 2
         assert "Traceback" not in capsys.readouterr().err
+
+
+# Every option of every subcommand, with bad values: (arguments, the message's end). argparse
+# refuses them before anything runs (its usage line, then "error: argument --x: ...").
+FREE = ["serve-metrics", "--model-free", "--no-progress", "--num-requests", "2"]
+REFUSED_BY_ARGPARSE = [
+    (["generate", "x", "--max-tokens", v], f"--max-tokens: must be an integer >= 1, got {g}")
+    for v, g in (("0", "0"), ("-3", "-3"), ("2.5", "'2.5'"), ("many", "'many'"))
+] + [
+    (["generate", "x", "--n", "0"], "--n: must be an integer >= 1, got 0"),
+    (["generate", "x", "--beam-width", "-1"], "--beam-width: must be an integer >= 1, got -1"),
+    (["generate", "x", "--temperature", "inf"], "--temperature: must be a finite number >= 0, "
+                                                "got inf"),
+    (["generate", "x", "--top-p", "0"], "--top-p: must be a finite number in (0, 1], got 0"),
+    (["generate", "x", "--top-p", "1.5"], "--top-p: must be a finite number in (0, 1], got 1.5"),
+    (["generate", "x", "--top-p", "nan"], "--top-p: must be a finite number in (0, 1], got nan"),
+    (["generate", "x", "--seed", "-1"], "--seed: must be an integer in [0, 2**64 - 1], got -1"),
+    (["generate", "x", "--seed", str(2 ** 64)], "--seed: must be an integer in [0, 2**64 - 1], "
+                                                f"got {2 ** 64}"),
+    (["generate", "x", "--block-size", "12"], "--block-size: must be a power of two in "
+                                              "[1, 256], got 12"),
+    (["generate", "x", "--block-size", "0"], "--block-size: must be a power of two in [1, 256], "
+                                             "got 0"),
+    (["generate", "x", "--block-size", "1024"], "--block-size: must be a power of two in "
+                                                "[1, 256], got 1024"),
+    (FREE + ["--hold", "inf"], "--hold: must be a number of seconds in [0, 604800], got inf"),
+    (FREE + ["--hold", "nan"], "--hold: must be a number of seconds in [0, 604800], got nan"),
+    (FREE + ["--hold", "-1"], "--hold: must be a number of seconds in [0, 604800], got -1"),
+    (FREE + ["--hold", "1e300"], "--hold: must be a number of seconds in [0, 604800], got 1e300"),
+    (FREE + ["--hold", "soon"], "--hold: must be a number of seconds in [0, 604800], got 'soon'"),
+    (FREE + ["--rate", "0"], "--rate: must be a finite number > 0 (or inf), got 0"),
+    (FREE + ["--rate", "-2"], "--rate: must be a finite number > 0 (or inf), got -2"),
+    (FREE + ["--rate", "nan"], "--rate: must be a finite number > 0 (or inf), got nan"),
+    (FREE + ["--rate=-inf"], "--rate: must be a finite number > 0 (or inf), got -inf"),
+    (FREE + ["--seed", "-1"], "--seed: must be an integer in [0, 2**64 - 1], got -1"),
+    (FREE + ["--num-requests", "0"], "--num-requests: must be an integer in [1, 100000], got 0"),
+    (FREE + ["--num-requests", "100001"], "--num-requests: must be an integer in [1, 100000], "
+                                          "got 100001"),
+    (FREE + ["--num-requests", "1e3"], "--num-requests: must be an integer in [1, 100000], "
+                                       "got '1e3'"),
+    (FREE + ["--num-gpu-blocks", "0"], "--num-gpu-blocks: must be an integer in [1, 1048576], "
+                                       "got 0"),
+    (FREE + ["--num-gpu-blocks", "1000000000"], "--num-gpu-blocks: must be an integer in "
+                                                "[1, 1048576], got 1000000000"),
+    (FREE + ["--block-size", "3"], "--block-size: must be a power of two in [1, 256], got 3"),
+    (FREE + ["--port", "65536"], "--port: must be a TCP port (0: any free one) in [0, 65535], "
+                                 "got 65536"),
+    (FREE + ["--port", "http"], "--port: must be a TCP port (0: any free one) in [0, 65535], "
+                                "got 'http'"),
+    (FREE + ["--trace", "gsm8k"], "--trace: invalid choice: 'gsm8k' (choose from 'sharegpt', "
+                                  "'alpaca')"),
+    (FREE + ["--preemption-mode", "kill"], "--preemption-mode: invalid choice: 'kill'"),
+    (["serve"], "argument command: invalid choice: 'serve'"),
+    ([], "the following arguments are required: command"),
+]
+
+
+@pytest.mark.parametrize("args, message", REFUSED_BY_ARGPARSE,
+                         ids=[" ".join(a[-2:]) or "none" for a, _ in REFUSED_BY_ARGPARSE])
+def test_every_option_refuses_bad_values_before_anything_runs(args, message, capsys) -> None:
+    code, err = cli(args, capsys)
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("python -m course_lib") and "error: " in last
+    assert last.endswith(message) or message in last, last
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "x", "--top-p", "1e-46", "--temperature", "1"],
+     "error: top_p must be in (2**-150, 1], got 1e-46: the sampler compares it in float32"),
+    (["generate", "x", "--n", "2", "--beam-width", "2"], "error: use either n > 1"),
+    (["generate", "ab\udcff"], "error: prompt 0: the prompt text must be valid Unicode"),
+    (["serve-metrics", "--num-gpu-blocks", "4097", "--no-progress"],
+     "error: --num-gpu-blocks must be in [1, 4096] for the engine with --block-size 16"),
+])
+def test_values_the_library_refuses_are_one_line_errors(args, message, capsys) -> None:
+    code, err = cli(args, capsys)
+    assert code == 2 and err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_ctrl_c_during_hold_is_one_line_and_status_130() -> None:
+    import signal
+
+    cmd = [sys.executable, "-m", "course_lib", "serve-metrics", "--model-free", "--no-progress",
+           "--num-requests", "2", "--hold", "60"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:                  # up to the hold (or an early end)
+            if line.startswith("holding /metrics"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and err == "interrupted\n"
 
 
 def test_a_port_in_use_is_a_one_line_error(capsys) -> None:

@@ -225,7 +225,24 @@ def test_bad_input_is_rejected_without_changing_state(model) -> None:
     assert len(engine.scheduler.waiting) == 1
 
 
-def test_prompt_longer_than_the_context_is_ignored_not_run(model) -> None:
+def test_prompt_longer_than_the_context_is_refused_at_the_door_in_v1(model) -> None:
+    """vLLM 0.33.0's input processor refuses a prompt of max_model_len tokens or more before
+    it is queued, with these messages; generate() then queues none of its prompts."""
+    engine = make_engine(model, design="v1")
+    limit = engine.scheduler.config.max_model_len
+    with pytest.raises(ValueError, match=rf"\(length {limit + 1}\) is longer than the maximum "
+                                         rf"model length of {limit}\."):
+        engine.add_request([65] * (limit + 1))
+    with pytest.raises(ValueError, match=r"plus the number of requested output tokens "
+                                         r"\(at least 1\)"):
+        engine.generate([TOK.encode("And"), [65] * limit], SamplingParams(max_tokens=3))
+    assert not engine.has_unfinished_requests()
+    out = engine.generate([[65] * (limit - 1)], SamplingParams(max_tokens=3, temperature=0.0))
+    assert out[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 1
+    assert_all_blocks_back(engine)
+
+
+def test_prompt_longer_than_the_context_is_ignored_not_run_in_v0(model) -> None:
     engine = make_engine(model)
     out = engine.generate([[65] * 300, TOK.encode("And")], SamplingParams(max_tokens=3,
                                                                           temperature=0.0))
@@ -292,6 +309,35 @@ def test_v1_design_gives_the_contiguous_tokens_and_v0s_samples(model, reference,
         v1.add_request("x", SamplingParams(beam_width=2))
     with pytest.raises(ValueError, match="design must be one of"):
         make_engine(model, design="v2")
+
+
+def test_beam_search_outside_the_core_completes_eos_candidates_as_vllm_does(model) -> None:
+    """vLLM 0.33.0's ``_beam_search_step``: a candidate ending in an end-of-sequence token goes
+    to the completed list whatever its rank, and ``beam_width`` live non-EOS beams go on, so
+    every step after the first runs exactly ``beam_width`` requests. Here a space is the EOS
+    (common in the text): before, EOS candidates took live places and steps shrank."""
+    from course_lib.engine.beam_search import beam_search
+
+    space = TOK.encode(" ")[-1]
+    eng = make_engine(model, block_size=4, prefix=True, design="v1", stop_token_ids=[space])
+    width, max_tokens, per_step = 3, 8, []         # requests per step of the search
+    add = eng.add_request
+
+    def counting_add(*args, **kwargs):
+        if not eng.has_unfinished_requests():         # the first request of a step
+            per_step.append(0)
+        per_step[-1] += 1
+        return add(*args, **kwargs)
+
+    eng.add_request = counting_add
+    best = beam_search(eng, "And God said", width, max_tokens, length_penalty=1.0)
+    assert per_step[0] == 1 and all(n == width for n in per_step[1:]), per_step
+    ended = [b for b in best if b.tokens[-1] == space]
+    assert ended and all(b.finished for b in ended)              # EOS beams were completed
+    assert all(b.finished or len(b.tokens) == max_tokens for b in best)
+    scores = [b.score(1.0) for b in best]
+    assert scores == sorted(scores, reverse=True) and len(best) == width
+    assert_all_blocks_back(eng)
 
 
 def test_logprobs_give_each_steps_top_k_and_beam_search_runs_outside_the_core(model) -> None:

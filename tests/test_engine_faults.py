@@ -443,3 +443,111 @@ def test_a_failed_v1_step_changes_nothing_and_the_run_goes_on(model, monkeypatch
     outs, _ = run_all(engine)
     assert engine.scheduler.num_preemptions > 0 and all(o.finish_reason == "length"
                                                         for o in outs.values())
+
+
+# ------------------------------------- one transaction per step (what the audit found)
+def test_a_failure_before_the_backup_puts_back_nothing_of_an_earlier_step(model, monkeypatch):
+    """A step that fails inside ``schedule()`` (before it backs up anything) must not write
+    an earlier step's backup into the cache: its transaction starts empty. Found by an outside
+    audit (a stale ``_backup`` overwrote valid K/V; wrong tokens, silently)."""
+    engine = pressured_engine(model)
+    backups = []
+    real_protect = engine._protect
+
+    def protect(out, txn):
+        real_protect(out, txn)
+        backups.append(txn.backup)
+
+    monkeypatch.setattr(engine, "_protect", protect)
+    while not any(b.gpu_blocks for b in backups):        # a step that backed blocks up
+        engine.step()
+    before = state(engine)
+    real_schedule = engine.scheduler.schedule
+    monkeypatch.setattr(engine.scheduler, "schedule",
+                        lambda: (_ for _ in ()).throw(RuntimeError("injected in schedule")))
+    with pytest.raises(StepFailed, match="injected in schedule"):
+        engine.step()
+    assert same_state(before, state(engine))             # the cache contents included
+    monkeypatch.setattr(engine.scheduler, "schedule", real_schedule)
+    outs, _ = run_all(engine)
+    assert all(o.finish_reason == "length" for o in outs.values())
+
+
+@pytest.mark.parametrize("design", ["v0", "v1", "v1-radix"])
+def test_a_failure_building_an_output_is_undone_and_the_engine_goes_on(model, monkeypatch,
+                                                                        design):
+    """Building a finished request's output fails once (after ``scheduler.update`` finished
+    it): the step is rolled back with the engine's own maps, the retry finishes the request
+    with the clean run's tokens. Before, the request had already left the engine's maps and
+    every later step raised KeyError (an outside audit's hypothesis test, shrunk to a 6-block
+    pool and one request with max_tokens=1)."""
+    clean = make_engine(model, blocks=6, design=design)
+    want = clean.generate("And God", SamplingParams(max_tokens=1, temperature=0.0))[0]
+    engine = make_engine(model, blocks=6, design=design)
+    rid = engine.add_request("And God", SamplingParams(max_tokens=1, temperature=0.0))
+    real, calls = llm_engine.request_output, []
+
+    def once(req, tokenizer):
+        calls.append(req.request_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected while building an output")
+        return real(req, tokenizer)
+
+    monkeypatch.setattr(llm_engine, "request_output", once)
+    with pytest.raises(StepFailed, match="building an output"):
+        engine.step()
+    engine.check_invariants()
+    assert rid in engine._requests and engine.has_unfinished_requests()
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [rid]
+    assert outs[0].outputs[0].token_ids == want.outputs[0].token_ids
+    assert engine.abort_request(rid) is False and not engine._requests
+    assert engine.block_manager.num_free_gpu_blocks == engine.block_manager.num_gpu_blocks
+
+
+@pytest.mark.parametrize("design", ["v0", "v1"])
+def test_abort_from_another_thread_mid_step_takes_effect_after_the_step(model, monkeypatch,
+                                                                          design):
+    """A server aborts a request whose client went away while ``step()`` runs in another
+    thread: the abort waits for the step to end, then takes effect; no KeyError, no wedged
+    engine, the other request's tokens as in a clean run."""
+    import threading
+
+    clean = make_engine(model, design=design)
+    want = clean.generate(["And God said", "In the beginning"], GREEDY)
+    engine = make_engine(model, design=design)
+    a = engine.add_request("And God said", GREEDY)
+    b = engine.add_request("In the beginning", GREEDY)
+    engine.step()
+    inside, release, result = threading.Event(), threading.Event(), {}
+    real = engine.runner.execute_model
+
+    def forward(entries):
+        inside.set()
+        release.wait(5)
+        return real(entries)
+
+    monkeypatch.setattr(engine.runner, "execute_model", forward)
+    stepper = threading.Thread(target=lambda: result.setdefault("step", engine.step()))
+    stepper.start()
+    assert inside.wait(5)
+    aborter = threading.Thread(target=lambda: result.setdefault("abort", engine.abort_request(a)))
+    aborter.start()
+    aborter.join(0.3)
+    assert aborter.is_alive(), "the abort did not wait for the running step"
+    release.set()
+    stepper.join(5)
+    aborter.join(5)
+    assert result["abort"] is True
+    monkeypatch.setattr(engine.runner, "execute_model", real)
+    outs, _ = run_all(engine)
+    assert a not in outs and outs[b].outputs[0].token_ids == want[1].outputs[0].token_ids
+    engine.check_invariants()
+    assert not engine._requests and not engine._seeds
+
+
+def test_a_step_transaction_is_closed_once():
+    txn = rollback.StepTransaction(None, (0, 0))
+    txn.close()
+    with pytest.raises(RuntimeError, match="already committed or rolled back"):
+        txn.close()

@@ -220,7 +220,7 @@ def test_a_prometheus_2_scrape_gets_the_classic_format_with_colon_names():
     assert other == 404                                             # only /metrics is served
 
 
-def test_a_silent_client_does_not_block_the_one_thread(monkeypatch, capfd):
+def test_a_silent_client_does_not_block_a_scrape(monkeypatch, capfd):
     """A connection that never sends its request is dropped (after the handler's timeout,
     shortened here), quietly; the next scrape is answered."""
     import socket
@@ -237,3 +237,143 @@ def test_a_silent_client_does_not_block_the_one_thread(monkeypatch, capfd):
         server.server_close()
     assert "vllm:num_requests_running" in text
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_client_trickling_its_headers_blocks_no_scrape_and_is_cut_at_its_deadline(
+        monkeypatch, capfd):
+    """A client that sends its request a byte every 0.1 s (well inside any per-read timeout)
+    holds only its own thread: another scrape meanwhile is answered at once. And it holds
+    it only until the per-connection deadline (the handler's timeout, 2 s here), though it
+    never stops sending."""
+    import socket
+    import threading
+    import time
+
+    from course_lib.scheduler import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 2.0)
+    server, port = serve_metrics(Metrics(small_scheduler()))
+    stop = threading.Event()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as slow:
+            t0 = time.monotonic()
+            slow.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+
+            def trickle() -> None:
+                while not stop.wait(0.1):
+                    try:
+                        slow.sendall(b"a")
+                    except OSError:
+                        return
+
+            threading.Thread(target=trickle, daemon=True).start()
+            time.sleep(0.5)                             # the slow client is being read
+            start = time.perf_counter()
+            _, text = get(f"http://127.0.0.1:{port}/metrics")
+            took = time.perf_counter() - start
+            try:
+                cut = slow.recv(1024)                   # waits until the server lets go
+            except ConnectionResetError:                # closed with trickled bytes unread
+                cut = b""
+            held = time.monotonic() - t0
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+    assert "vllm:num_requests_running" in text and took < 1.0
+    assert cut == b"" and 1.5 < held < 8.0
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_burst_of_concurrent_scrapers_is_answered_without_syn_retries():
+    """64 scrapers connecting at once: every one is answered, well within the 1 s a client
+    waits to retry a SYN that a full listen backlog dropped (socketserver's default backlog is
+    5, and one thread answered one scrape at a time)."""
+    import threading
+    import time
+
+    server, port = serve_metrics(Metrics(small_scheduler()))
+    barrier, took, errors = threading.Barrier(64), [], []
+
+    def scrape() -> None:
+        barrier.wait()
+        start = time.perf_counter()
+        try:
+            get(f"http://127.0.0.1:{port}/metrics")
+            took.append(time.perf_counter() - start)
+        except OSError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=scrape) for _ in range(64)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not errors and len(took) == 64
+    assert max(took) < 0.9, f"slowest scrape {max(took):.2f} s"
+
+
+def test_the_body_is_generated_again_only_after_a_change():
+    """Scrapes between two changes share one body; any change of the metrics (through
+    Metrics' methods) is in the next scrape."""
+    s = small_scheduler()
+    m = Metrics(s)
+    server, port = serve_metrics(m)
+    try:
+        url = f"http://127.0.0.1:{port}/metrics"
+        before = get(url)[1]
+        assert get(url)[1] == before
+        s.add_request(0, tuple(range(1, 13)), SamplingParams(max_tokens=4))
+        m.update(s)
+        assert 'vllm:num_requests_waiting{model_name="course-model"} 1.0' in get(url)[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------- the inter-token-latency clock's map
+def test_itl_map_forgets_requests_however_they_end():
+    """Keyed by the request itself (never ``id()``, which a later request may reuse): a
+    finished request leaves at observe_finished, an aborted one at forget() or, if nobody
+    calls it, at the next step; many aborted requests leave nothing behind."""
+    s = small_scheduler(caching=False)
+    m = Metrics(s)
+    for i in range(40):
+        s.add_request(i, tuple(range(1, 5)), SamplingParams(max_tokens=50))
+    run(s, m, steps=3)
+    running = [r for r in s.running]
+    assert running and set(m._last_token_time) == set(running)
+    first = running[0]
+    assert s.abort_request(first.request_id)
+    m.forget(first)
+    assert first not in m._last_token_time
+    for r in list(s.running):                           # aborted, nobody tells the metrics
+        s.abort_request(r.request_id)
+    run(s, m, steps=1)
+    assert not any(r.is_finished for r in m._last_token_time)
+    for rid in range(100, 400):                        # a long run of aborted requests
+        s.add_request(rid, (1, 2, 3), SamplingParams(max_tokens=50))
+        run(s, m, steps=2)
+        s.abort_request(rid)
+    run(s, m)
+    assert m._last_token_time == {}
+
+
+def test_a_reused_request_id_starts_a_new_itl_clock():
+    """A new request with the id of an aborted one must not measure its first token's
+    latency from the old one's last token."""
+    s = small_scheduler(caching=False)
+    m = Metrics(s)
+    s.add_request(7, (1, 2, 3), SamplingParams(max_tokens=50))
+    run(s, m, steps=3)                                  # t = 0.5 .. 1.5: 2 ITLs of 0.5 s
+    s.abort_request(7)
+    count = m.value("vllm:time_per_output_token_seconds_count")
+    s.add_request(7, (1, 2, 3), SamplingParams(max_tokens=2))
+    run(s, m)
+    # the new request: 2 tokens, one ITL; its first token is not an ITL of the old one
+    assert m.value("vllm:time_per_output_token_seconds_count") == count + 1
+    assert m._last_token_time == {}

@@ -146,3 +146,12 @@ def test_fewer_than_half_the_cells_escape_comparison(notebook):
     cells = code_cells(nb)
     escaped = [c for c in cells if IGNORED.search("".join(c["source"]))]
     assert len(escaped) < len(cells) / 2
+
+
+def test_the_first_screen_says_what_the_learner_will_be_able_to_do(notebook):
+    """Every chapter opens (its first markdown cell) with what a learner can do after it."""
+    _, nb = notebook
+    first = "".join(nb["cells"][0]["source"])
+    assert nb["cells"][0]["cell_type"] == "markdown" and "**After this chapter you can:**" in first
+    outcomes = first.split("**After this chapter you can:**", 1)[1]
+    assert len(re.findall(r"^- \S", outcomes, flags=re.M)) >= 2

@@ -270,3 +270,67 @@ def test_ranks_and_their_children_die_with_a_parent_killed_by_sigkill(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+# A process a rank starts in a new session leads its own process group: killing the rank's
+# group misses it. The launcher walks each rank's descendants (/proc) before killing.
+def _reap_sleeps(pids: list[int]) -> None:
+    """Kill what a failing test leaves behind (the sleeps are orphans otherwise)."""
+    import signal
+
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"sleep"):
+                    os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="descendants are found in /proc")
+def test_a_killed_launch_leaves_no_process_a_rank_started_in_a_new_session(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(tests)!r})\n"
+            "from course_lib.parallel.launch import launch\n"
+            "from rank_workers import new_session_worker\n"
+            f"launch(new_session_worker, 2, ({str(tmp_path)!r}, -1), timeout_s=600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    sleeps: list[int] = []
+    try:
+        pids = _pids(tmp_path, 2)
+        sleeps = pids[1::2]
+        assert all(_alive(p) for p in pids)
+        assert all(os.getsid(s) == s for s in sleeps)           # each leads its own session
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert _all_gone(pids), "a sleep in a new session outlived the killed launch"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        _reap_sleeps(sleeps)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="descendants are found in /proc")
+@pytest.mark.parametrize("fail_rank", [1, -2], ids=["a rank fails", "every rank returns"])
+def test_a_launch_that_ends_leaves_no_process_a_rank_started_in_a_new_session(tmp_path,
+                                                                             fail_rank):
+    from rank_workers import new_session_worker
+
+    try:
+        if fail_rank >= 0:
+            with pytest.raises(RankFailedError, match="fails with a child in a new session"):
+                launch(new_session_worker, 2, (str(tmp_path), fail_rank), timeout_s=60)
+        else:
+            assert launch(new_session_worker, 2, (str(tmp_path), fail_rank)) == [0, 1]
+        pids = _pids(tmp_path, 2, timeout_s=1)
+        assert len(pids) == 4 and _all_gone(pids), "a sleep in a new session outlived the run"
+    finally:
+        _reap_sleeps(_pids(tmp_path, 2, timeout_s=1)[1::2]
+                     if len(list(tmp_path.glob("rank*.pids"))) == 2 else [])

@@ -84,3 +84,67 @@ def test_finish_reasons_are_short_codes():
     assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort",
                                             "ignored", "error"]
     assert all(s.is_finished == (s.finish_reason is not None) for s in S)
+
+
+# ------------------------------------------------------- bounds: every bad value names itself
+def test_top_p_too_small_for_float32_is_refused_at_the_exact_threshold():
+    """The sampler compares top_p in float32: 2**-150 and below round to 0 and keep no token
+    (a step later, "invalid multinomial distribution"); the next double above keeps one."""
+    import math
+
+    import torch
+
+    from course_lib.engine.sampler import top_p_probs
+    from course_lib.sequence import TOP_P_FLOOR
+
+    logits = torch.randn(259, generator=torch.Generator().manual_seed(0))
+    smallest_kept = math.nextafter(TOP_P_FLOOR, 1.0)
+    assert TOP_P_FLOOR == 2.0 ** -150
+    assert int((top_p_probs(logits, 1.0, TOP_P_FLOOR) > 0).sum()) == 0      # the sampler's edge
+    assert int((top_p_probs(logits, 1.0, smallest_kept) > 0).sum()) == 1
+    for bad in (TOP_P_FLOOR, 1e-46, 5e-324, math.nextafter(TOP_P_FLOOR, 0.0)):
+        with pytest.raises(ValueError, match=r"top_p must be in \(2\*\*-150, 1\], got .*float32"):
+            SamplingParams(top_p=bad, temperature=1.0)
+    assert SamplingParams(top_p=smallest_kept).top_p == smallest_kept
+    assert SamplingParams(top_p=2.0 ** -149).top_p == 2.0 ** -149
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            SamplingParams(top_p=bad)
+
+
+@pytest.mark.parametrize("stops", [None, 5, 2.5, "ab", b"ab"])
+def test_stop_token_ids_that_are_not_a_sequence_name_themselves(stops):
+    with pytest.raises(ValueError, match=r"stop_token_ids must be a sequence of ints in >= 0, "
+                                         rf"got {type(stops).__name__}"):
+        SamplingParams(stop_token_ids=stops)
+
+
+def test_stop_token_ids_accept_any_iterable_of_ints():
+    assert SamplingParams(stop_token_ids=[3, 1]).stop_token_ids == (3, 1)
+    assert SamplingParams(stop_token_ids=iter([7])).stop_token_ids == (7,)
+    with pytest.raises(ValueError, match=r"stop_token_ids must be ints in >= 0; item 1 is -1"):
+        SamplingParams(stop_token_ids=[1, -1])
+
+
+@pytest.mark.parametrize("name", ["n", "beam_width", "max_tokens"])
+@pytest.mark.parametrize("bad", [0, -1, 1.0, 2.5, True, "2", None])
+def test_counts_must_be_ints_at_least_one(name, bad):
+    """n and beam_width (and max_tokens): ints >= 1, never bools, floats or strings (their
+    upper bound is the scheduler's design, not checked here)."""
+    with pytest.raises(ValueError, match=rf"^{name} must be an int >= 1, got "):
+        SamplingParams(**{name: bad})
+    import numpy as np
+
+    assert getattr(SamplingParams(**{name: np.int64(3)}), name) == 3
+
+
+def test_n_and_beam_width_are_bounded_as_vllm_bounds_them():
+    """vLLM 0.33.0 refuses n (and beam_width) above VLLM_MAX_N_SEQUENCES (16384): an outside
+    audit's SamplingParams(n=10**9) made the V1 design create child sequences until memory
+    ran out."""
+    from course_lib.sequence import MAX_N_SEQUENCES
+
+    SamplingParams(n=MAX_N_SEQUENCES, temperature=1.0)
+    for kwargs in ({"n": MAX_N_SEQUENCES + 1}, {"n": 10**9}, {"beam_width": 10**9}):
+        with pytest.raises(ValueError, match=rf"must be at most {MAX_N_SEQUENCES}, got"):
+            SamplingParams(temperature=1.0, **kwargs)

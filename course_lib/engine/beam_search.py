@@ -3,17 +3,21 @@
 vLLM 0.33.0 has no beam search in its scheduler. ``LLM.beam_search``
 (``vllm/entrypoints/generate/beam_search/offline.py``) runs it from outside: at every step,
 each live beam becomes a request for *one* token with ``logprobs = 2 * beam_width``
-(``SamplingParams(max_tokens=1, logprobs=...)``); every beam's candidates are pooled, and the
-``beam_width`` best (beam + token) by cumulative log-probability go on; a beam that draws an
-end-of-sequence token is complete. The beams' common prefixes are not forked: the engine's
-prefix cache finds them, step after step. At the end, complete and live beams are ranked by
-``cumulative_logprob / num_generated ** length_penalty``
-(``vllm/entrypoints/generate/beam_search/utils.py:get_beam_search_score``).
+(``SamplingParams(max_tokens=1, logprobs=...)``); every beam's candidates are pooled. A
+candidate that ends in an end-of-sequence token is complete and goes to the completed list,
+whatever its rank; of the others, the ``beam_width`` best by score go on (``_beam_search_step``
+in ``offline.py``: an EOS never takes a live beam's place). The score is
+``cumulative_logprob / num_generated ** length_penalty``, the EOS token counted
+(``vllm/entrypoints/generate/beam_search/utils.py:get_beam_search_score``). The beams' common
+prefixes are not forked: the engine's prefix cache finds them, step after step. At the end,
+complete and live beams together are ranked by score and the ``beam_width`` best returned.
 
 :func:`beam_search` does the same over :class:`~course_lib.engine.llm_engine.LLMEngine`, either
-design (the V1 design, whose core has no beam search, is the point). With ``ignore_eos=True``
-it ranks exactly as the V0 design's beam search in the scheduler does (ties broken by content),
-so the two give the same beams.
+design (the V1 design, whose core has no beam search, is the point). Ties are broken by
+content, never by request ids (vLLM's sort keeps arrival order). With ``ignore_eos=True`` it
+ranks exactly as the V0 design's beam search in the scheduler does, so the two give the same
+beams; with end-of-sequence tokens they differ by design: V0's in-core search (0.6.3) lets a
+finished beam take one of the ``beam_width`` places of a step.
 """
 
 from __future__ import annotations
@@ -63,11 +67,11 @@ def beam_search(engine: LLMEngine, prompt: str | Sequence[int], beam_width: int,
             for token, lp in outs[rid].outputs[0].logprobs[0]:
                 candidates.append(BeamSearchSequence(beam.tokens + [token],
                                                      beam.cum_logprob + lp, token in eos))
-        # by score, ties by content (never by request ids), as the V0 design's beam step
-        candidates.sort(key=lambda c: (-c.cum_logprob, c.tokens[:-1], c.tokens[-1]))
-        beams = []
-        for c in candidates[:beam_width]:
-            (done if c.finished else beams).append(c)
+        done += [c for c in candidates if c.finished]       # complete, whatever its rank
+        live = [c for c in candidates if not c.finished]
+        # by score, ties by content (never by request ids)
+        live.sort(key=lambda c: (-c.score(length_penalty), c.tokens[:-1], c.tokens[-1]))
+        beams = live[:beam_width]
         if not beams:
             break
     best = sorted(done + beams, key=lambda b: (-b.score(length_penalty), b.tokens))

@@ -5,7 +5,8 @@ parameters, request ids, and ``generate``'s lists of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
 from ..model.tokenizer import ByteTokenizer
@@ -14,9 +15,19 @@ from ..sequence import SamplingParams, is_int, token_ids_or_error
 
 def prompt_token_ids(prompt: str | Sequence[int], tokenizer: ByteTokenizer,
                      vocab_size: int) -> tuple[int, ...]:
-    """Text (encoded with BOS) or token ids: ints in the vocabulary, at least one."""
+    """Text (encoded with BOS) or token ids: ints in the vocabulary, at least one. Anything
+    else (None, a number, a set or a dict, whose order means nothing) is a ``ValueError``
+    naming the prompt, as is text that UTF-8 cannot encode (a lone surrogate)."""
     if isinstance(prompt, str):
-        ids = tuple(tokenizer.encode(prompt))
+        try:
+            ids = tuple(tokenizer.encode(prompt))
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt text must be valid Unicode (UTF-8 encodable), got "
+                             f"{exc.object[exc.start:exc.end]!r} at index {exc.start}: "
+                             f"{exc.reason}") from None
+    elif isinstance(prompt, (AbstractSet, Mapping)):
+        raise ValueError(f"the prompt must be text or a sequence of token ids in "
+                         f"0..{vocab_size - 1}, got a {type(prompt).__name__} (no order)")
     else:
         ids = token_ids_or_error(prompt, vocab_size, "prompt token ids")
     if not ids:
@@ -24,16 +35,24 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer: ByteTokenizer,
     return ids
 
 
-def request_params(params: SamplingParams | None,
-                   stop_token_ids: frozenset[int]) -> SamplingParams:
-    """``params`` (None: the defaults) checked, with the engine's ``stop_token_ids`` (EOS)
-    added to the request's own. ``SamplingParams`` checks its own values."""
+def check_params(params: object) -> SamplingParams:
+    """``params`` (None: the defaults) as a ``SamplingParams`` the engine can run, or
+    ``ValueError``. ``SamplingParams`` checks its own values."""
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        raise ValueError(f"params must be None or a SamplingParams, got "
+                         f"{type(params).__name__} {params!r:.60}")
     if params.logprobs is not None and params.use_beam_search:
         raise ValueError("logprobs with beam_width > 1: the beams' scores are their "
                          "cumulative logprobs already; ask for logprobs without beams")
+    return params
+
+
+def request_params(params: SamplingParams | None,
+                   stop_token_ids: frozenset[int]) -> SamplingParams:
+    """``params`` (None: the defaults) checked (:func:`check_params`), with the engine's
+    ``stop_token_ids`` (EOS) added to the request's own."""
+    params = check_params(params)
     extra = tuple(t for t in sorted(stop_token_ids) if t not in params.stop_token_ids)
     if extra:                              # the engine's stop tokens (EOS) join the request's
         params = replace(params, stop_token_ids=params.stop_token_ids + extra)
@@ -50,20 +69,35 @@ def check_request_id(request_id: object, in_use: Container[int]) -> None:
 
 def generate_inputs(prompts: str | Sequence[str] | Sequence[Sequence[int]],
                     params: SamplingParams | Sequence[SamplingParams] | None,
-                    check_prompt: Callable[[str | Sequence[int]], object]
-                    ) -> tuple[Sequence, Sequence[SamplingParams]]:
+                    check_prompt: Callable[[str | Sequence[int]], object], *,
+                    on_step: object = None) -> tuple[Sequence, Sequence[SamplingParams]]:
     """``generate``'s arguments as one list of prompts and one ``SamplingParams`` per prompt,
-    every prompt checked by ``check_prompt`` (its error names the prompt's index)."""
+    every prompt checked by ``check_prompt`` and every ``SamplingParams`` by
+    :func:`check_params` (their errors name the index), and ``on_step`` (None or a callable):
+    all before any request is queued."""
+    if on_step is not None and not callable(on_step):
+        raise ValueError(f"on_step must be None or a callable(engine, scheduler_output), "
+                         f"got {type(on_step).__name__} {on_step!r:.60}")
     if isinstance(prompts, str):
         prompts = [prompts]
+    elif not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts must be a str or a list of prompts (each text or a list "
+                         f"of token ids), got {type(prompts).__name__} {prompts!r:.60}")
     if params is None or isinstance(params, SamplingParams):
         params = [params or SamplingParams()] * len(prompts)
+    elif not isinstance(params, Sequence) or isinstance(params, (str, bytes, bytearray)):
+        raise ValueError(f"params must be None, a SamplingParams or a list of them (one per "
+                         f"prompt), got {type(params).__name__} {params!r:.60}")
     if len(params) != len(prompts):
         raise ValueError(f"one SamplingParams per prompt: {len(prompts)} prompts, "
                          f"{len(params)} params")
-    for i, p in enumerate(prompts):        # all checked before any is queued
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         try:
             check_prompt(p)
         except ValueError as exc:
             raise ValueError(f"prompt {i}: {exc}") from None
+        try:
+            check_params(sp)
+        except ValueError as exc:
+            raise ValueError(f"params {i}: {exc}") from None
     return prompts, params

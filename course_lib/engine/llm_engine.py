@@ -35,6 +35,7 @@ forward pass (``model_runner.py``) and the sampler (``sampler.py``).
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -53,7 +54,7 @@ from .inputs import check_request_id, generate_inputs, prompt_token_ids, request
 from .logprobs import attach_logprobs, top_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
-from .rollback import Checkpoint, StepFailed, back_up, blocks_at_risk, put_back
+from .rollback import StepFailed, StepTransaction, back_up, blocks_at_risk, put_back
 from .sampler import sample
 
 # ``_sample_twice`` and ``_protect`` call ``sample`` and ``blocks_at_risk`` by this module's
@@ -121,7 +122,7 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self.last_output: SchedulerOutput | None = None
         self.num_steps = 0
-        self._backup = None                  # cache blocks the running step may overwrite
+        self._lock = threading.RLock()       # a step, and requests coming in or aborted
 
     def _check_block_size(self) -> None:
         """The block manager's tables and the runner's tensors must agree on a block's size
@@ -145,8 +146,13 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------- requests
     def _check_prompt(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
-        """Text (encoded with BOS) or token ids: ints in the vocabulary, at least one."""
-        return prompt_token_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+        """Text (encoded with BOS) or token ids: ints in the vocabulary, at least one; in the
+        V1 design also shorter than ``max_model_len`` (vLLM 0.33.0 refuses a longer prompt at
+        the door, ``SchedulerV1.check_prompt_len``; the V0 design finishes it as ignored)."""
+        ids = prompt_token_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+        if self.design == "v1":
+            self.scheduler.check_prompt_len(len(ids))
+        return ids
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: int | None = None, arrival_time: float | None = None, *,
@@ -159,28 +165,33 @@ class LLMEngine:
         name) gives the request its own prefix-cache namespace: only requests with an equal
         salt share cached blocks, so one tenant cannot learn another's prompts from
         ``num_cached_tokens``."""
-        ids = self._check_prompt(prompt)
-        params = request_params(params, self.stop_token_ids)
-        if request_id is None:
-            request_id = self._next_request_id
-        check_request_id(request_id, self._requests)
-        req = self.scheduler.add_request(request_id, ids, params,
-                                         self.now() if arrival_time is None else arrival_time,
-                                         cache_salt)
-        self._next_request_id = max(self._next_request_id, request_id + 1)
-        self._requests[request_id] = req
-        self._seeds[request_id] = params.seed if params.seed is not None \
-            else random.getrandbits(62)
-        return request_id
+        with self._lock:                      # not while a step runs (another thread)
+            ids = self._check_prompt(prompt)
+            params = request_params(params, self.stop_token_ids)
+            if request_id is None:
+                request_id = self._next_request_id
+            check_request_id(request_id, self._requests)
+            req = self.scheduler.add_request(
+                request_id, ids, params, self.now() if arrival_time is None else arrival_time,
+                cache_salt)
+            self._next_request_id = max(self._next_request_id, request_id + 1)
+            self._requests[request_id] = req
+            self._seeds[request_id] = params.seed if params.seed is not None \
+                else random.getrandbits(62)
+            return request_id
 
     def abort_request(self, request_id: int) -> bool:
-        """Stop a request wherever it is and free its blocks; False if it is not running."""
-        done = self.scheduler.abort_request(request_id)
-        if done:
-            req = self._requests.pop(request_id)
-            req.finished_time = self.now()
+        """Stop a request wherever it is and free its blocks; False if it is not here. Safe
+        from another thread: it waits for a running step to end, then takes effect."""
+        with self._lock:
+            done = self.scheduler.abort_request(request_id)
+            req = self._requests.pop(request_id, None)
             self._seeds.pop(request_id, None)
-        return done
+            if req is not None:
+                self.metrics.forget(req)
+                if done:
+                    req.finished_time = self.now()
+            return done
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -188,28 +199,55 @@ class LLMEngine:
     # --------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the cache ops and the model, sample, update; returns the requests
-        that finished in this step. All or nothing (see the module docstring): on failure
-        the state is put back, and then either the request to blame is finished alone (and
-        returned, ``finish_reason="error"``) or ``StepFailed`` is raised."""
-        checkpoint = Checkpoint(self.scheduler.snapshot(), self.runner.counters())
-        try:
-            return self._step(checkpoint)
-        except BaseException as exc:
-            self._rollback(checkpoint)
-            if not isinstance(exc, Exception):          # KeyboardInterrupt: state is safe
-                raise
-            culprit = (exc.request_id, exc.cause) if isinstance(exc, RequestFailed) \
-                else self._diagnose(checkpoint)
-            if culprit is None:
-                raise StepFailed(f"step {self.num_steps} failed and was undone "
-                                 f"({type(exc).__name__}: {exc}); no request's work fails "
-                                 f"alone while the others' succeed") from exc
-            return [self._fail_request(*culprit)]
+        that finished in this step. All or nothing (see the module docstring): everything
+        the step changes belongs to one :class:`~course_lib.engine.rollback.StepTransaction`,
+        begun here and committed only once every fallible part is done; on failure the
+        state is put back, and then either the request to blame is finished alone (and
+        returned, ``finish_reason="error"``) or ``StepFailed`` is raised.
 
-    def _step(self, checkpoint: Checkpoint) -> list[RequestOutput]:
+        ``add_request`` and ``abort_request`` called from another thread while a step runs
+        wait for it to end (one lock): a request is never changed under a running step."""
+        with self._lock:
+            txn = None
+            try:
+                txn = self._begin()
+                finished, outputs = self._step(txn)
+            except BaseException as exc:
+                self._rollback(txn)
+                if not isinstance(exc, Exception):      # KeyboardInterrupt: state is safe
+                    raise
+                culprit = (exc.request_id, exc.cause) if isinstance(exc, RequestFailed) \
+                    else self._diagnose()
+                if culprit is None:
+                    raise StepFailed(f"step {self.num_steps} failed and was undone "
+                                     f"({type(exc).__name__}: {exc}); no request's work fails "
+                                     f"alone while the others' succeed") from exc
+                return self._fail_request(*culprit)
+            # committed: the engine's own bookkeeping, which cannot fail (no call out)
+            for req in finished:
+                self._requests.pop(req.request_id, None)
+                self._seeds.pop(req.request_id, None)
+            self.num_steps += 1
+            self.last_output, txn.scheduler, txn.backup = txn.last_output, None, None
+            return outputs
+
+    def _begin(self) -> StepTransaction:
+        """What this step may change, saved before it changes anything: the scheduler's
+        bookkeeping (its queues and counters, the requests it runs, the block manager), the
+        runner's counters; the metrics hold their changes until commit. The engine's request
+        maps and step counter only change after the commit, and the cache blocks at risk are
+        added once the schedule is known (:meth:`_protect`)."""
+        txn = StepTransaction(self.scheduler.snapshot(), self.runner.counters())
+        self.metrics.begin()
+        return txn
+
+    def _step(self, txn: StepTransaction) -> tuple[list[Request], list[RequestOutput]]:
+        """Every fallible part of a step, in order, ending with the commit of what the
+        transaction holds; changes nothing the transaction does not hold. Returns the requests
+        finished now and their outputs."""
         sched = self.scheduler
         out = sched.schedule()
-        self._protect(out, checkpoint)
+        self._protect(out, txn)
         self.runner.execute_cache_ops(out)
         logits = self.runner.execute_model(out.scheduled)
         samples = {}
@@ -224,12 +262,14 @@ class LLMEngine:
         now = self.now()
         finished = sched.update(out, samples, now)
         attach_logprobs(out, tops)
-        self.num_steps += 1
-        self.metrics.update(sched)
+        outputs = [request_output(r, self.tokenizer) for r in finished]
+        self.metrics.update(sched)                  # held until the commit below
         self.metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
         self.metrics.observe_finished(finished)
-        self.last_output = out
-        return [self._output(r) for r in finished]
+        txn.last_output = out
+        sched.commit()                              # the commit: the scheduler, then metrics
+        self.metrics.commit()
+        return finished, outputs
 
     def _sample_twice(self, entry: ScheduledSeq, logits) -> list[tuple[int, float]]:
         """Sample (a seeded, pure function of the logits); a failure is tried once more, so
@@ -240,38 +280,40 @@ class LLMEngine:
         except Exception:
             return sample(entry, logits, seed)
 
-    def _protect(self, out: SchedulerOutput, checkpoint: Checkpoint) -> None:
+    def _protect(self, out: SchedulerOutput, txn: StepTransaction) -> None:
         """Copy the cache blocks this step overwrites whose contents mattered at its start."""
-        gpu, cpu = blocks_at_risk(out, checkpoint.scheduler.block_manager,
+        gpu, cpu = blocks_at_risk(out, txn.scheduler.block_manager,
                                   self.block_manager.block_size)
-        self._backup = back_up(self.runner.gpu_caches, self.runner.cpu_caches, gpu, cpu)
-
-    def _output(self, req: Request) -> RequestOutput:
-        self._requests.pop(req.request_id, None)
-        self._seeds.pop(req.request_id, None)
-        return request_output(req, self.tokenizer)
+        txn.backup = back_up(self.runner.gpu_caches, self.runner.cpu_caches, gpu, cpu)
 
     # ---------------------------------------------------------------- after a failed step
     # ``step`` catches the failure and calls these in this order: put everything back, find
     # the request to blame, finish that request alone.
-    def _rollback(self, checkpoint: Checkpoint) -> None:
+    def _rollback(self, txn: StepTransaction | None) -> None:
         """Put the scheduler, the runner's counters and the blocks at risk back as they were
-        when ``checkpoint`` was taken."""
-        self.scheduler.restore(checkpoint.scheduler)
-        self.runner.set_counters(checkpoint.runner_counters)
-        if self._backup is not None:
-            put_back(self.runner.gpu_caches, self.runner.cpu_caches, self._backup)
-        self._backup = None
+        when ``txn`` began, and drop the metrics' held changes; the transaction is then closed
+        (it cannot be put back twice). ``None``: the step failed while beginning its
+        transaction, before it changed anything: only what beginning started is dropped."""
+        self.metrics.discard()
+        if txn is None:
+            self.scheduler.commit()                 # stop saving: nothing to put back
+            return
+        self.scheduler.restore(txn.scheduler)
+        self.runner.set_counters(txn.runner_counters)
+        if txn.backup is not None:
+            put_back(self.runner.gpu_caches, self.runner.cpu_caches, txn.backup)
+        txn.close()
 
-    def _diagnose(self, checkpoint: Checkpoint) -> tuple[int, BaseException] | None:
+    def _diagnose(self) -> tuple[int, BaseException] | None:
         """After a failed step (already rolled back): run it again with one forward per
-        request. A request is to blame when its forward fails alone, twice (a transient fault
-        rarely strikes twice), while another one's succeeds; if every forward fails (the
-        device, not a request) or all succeed (a transient fault), nobody is. The state is
-        rolled back again whatever happens."""
+        request, in a transaction of its own. A request is to blame when its forward fails
+        alone, twice (a transient fault rarely strikes twice), while another one's succeeds;
+        if every forward fails (the device, not a request) or all succeed (a transient
+        fault), nobody is. The state is rolled back again whatever happens."""
+        txn = self._begin()
         try:
             out = self.scheduler.schedule()
-            self._protect(out, checkpoint)
+            self._protect(out, txn)
             self.runner.execute_cache_ops(out)
             by_request: dict[int, list[ScheduledSeq]] = {}
             for e in out.scheduled:
@@ -289,17 +331,39 @@ class LLMEngine:
         except Exception:
             return None
         finally:
-            self._rollback(checkpoint)
+            self._rollback(txn)
 
-    def _fail_request(self, request_id: int, cause: BaseException) -> RequestOutput:
-        """Finish the request whose own work failed, alone; the others go on."""
-        req = self._requests[request_id]
-        self.scheduler.finish_request(request_id, SequenceStatus.FINISHED_ERROR,
-                                      f"failed in step {self.num_steps}: "
-                                      f"{type(cause).__name__}: {cause}")
-        req.finished_time = self.now()
-        self.metrics.update(self.scheduler)
-        return self._output(req)
+    def _fail_request(self, request_id: int, cause: BaseException) -> list[RequestOutput]:
+        """Finish the request whose own work failed, alone; the others go on. Returns its
+        output, or nothing if it is no longer here. All or nothing too: in a transaction of
+        its own, so a failure while finishing it leaves everything as it was
+        (``StepFailed``; the next step meets the culprit again)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return []
+        txn = None
+        try:
+            txn = self._begin()
+            self.scheduler.touch(req)               # saved even if it waits
+            if not self.scheduler.finish_request(
+                    request_id, SequenceStatus.FINISHED_ERROR,
+                    f"failed in step {self.num_steps}: {type(cause).__name__}: {cause}"):
+                self._rollback(txn)
+                return []
+            req.finished_time = self.now()
+            output = request_output(req, self.tokenizer)
+            self.metrics.forget(req)
+            self.metrics.update(self.scheduler)
+            self.scheduler.commit()
+            self.metrics.commit()
+        except Exception as exc:
+            self._rollback(txn)
+            raise StepFailed(f"request {request_id} failed in step {self.num_steps} "
+                             f"({type(cause).__name__}: {cause}) and finishing it failed too "
+                             f"({type(exc).__name__}: {exc}); everything was put back") from exc
+        self._requests.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+        return [output]
 
     # ----------------------------------------------------------------------- generate
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
@@ -309,7 +373,7 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         """Run ``prompts`` (all arriving now) to completion; outputs in the prompts' order.
         ``on_step(engine, scheduler_output)`` is called after every step (for drawings)."""
-        prompts, params = generate_inputs(prompts, params, self._check_prompt)
+        prompts, params = generate_inputs(prompts, params, self._check_prompt, on_step=on_step)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}

@@ -15,10 +15,13 @@ metrics. The mechanism:
   step, or a block freed by a preemption and handed out again in the same step. Those blocks
   (:func:`blocks_at_risk`) are copied before the cache operations run and copied back on
   failure.
-* **Metrics** are updated only after everything else succeeded.
+* **Metrics** are updated last, once everything fallible before them has succeeded; the
+  engine's own maps (its requests, their seeds) and its step counter change only at commit.
 
-The step then either completes or raises with everything as it was; the engine decides whom
-to blame (see ``LLMEngine.step``).
+All of it belongs to one :class:`StepTransaction`, begun at the top of ``LLMEngine.step`` and
+committed at its end or rolled back on failure, then closed: a step can never put back what
+an earlier step saved. The step then either completes or raises with everything as it was;
+the engine decides whom to blame (see ``LLMEngine.step``).
 """
 
 from __future__ import annotations
@@ -38,10 +41,26 @@ class StepFailed(RuntimeError):
     exactly as it was before the step: call ``step()`` again (a transient fault) or stop."""
 
 
-class Checkpoint(NamedTuple):
-    """What a step restores on failure (the tensors' blocks at risk are added once known)."""
-    scheduler: SchedulerSnapshot
-    runner_counters: tuple[int, int]
+class StepTransaction:
+    """Everything one step may change, saved when the step begins (``LLMEngine._begin``):
+    the scheduler's snapshot (its queues and counters, the requests it runs or touches, the
+    block manager), the runner's counters, and the cache blocks at risk (``backup``, set once
+    the schedule is known). Committed or rolled back exactly once, then closed: a later step
+    begins its own, so nothing of an earlier step can ever be put back."""
+
+    def __init__(self, scheduler: SchedulerSnapshot, runner_counters: tuple[int, int]) -> None:
+        self.scheduler = scheduler
+        self.runner_counters = runner_counters
+        self.backup: CacheBackup | None = None      # the blocks at risk, once known
+        self.last_output: SchedulerOutput | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """Drop what was saved (committed, or put back)."""
+        if self.closed:
+            raise RuntimeError("this step's transaction was already committed or rolled back")
+        self.closed = True
+        self.scheduler = self.backup = None
 
 
 def blocks_at_risk(out: SchedulerOutput, before: ManagerSnapshot,

@@ -37,7 +37,9 @@ def sample_seed(base_seed: int, index: int, position: int) -> int:
 
 def top_p_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """``probs [vocab]`` of ``softmax(logits / temperature)`` with the tail beyond ``top_p``
-    zeroed (the most likely token always stays). Not renormalised: multinomial does it."""
+    zeroed (the most likely token always stays, for any ``top_p > 2**-150``: the comparison
+    is in float32, where a smaller ``top_p`` is 0 and nothing stays, which is why
+    ``SamplingParams`` refuses it, ``TOP_P_FLOOR``). Not renormalised: multinomial does it."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return probs

@@ -15,7 +15,12 @@ in each and returns the ranks' results in rank order.
 * No orphans: each rank leads its own process group, so that whatever it starts belongs to
   it. When the run ends, however it ends, the parent kills every rank's whole group; and a
   watchdog thread in each rank kills its group as soon as the parent is gone, whatever
-  killed the parent (even ``SIGKILL``, e.g. a Jupyter kernel killed mid-run).
+  killed the parent (even ``SIGKILL``, e.g. a Jupyter kernel killed mid-run). A process
+  started in a new session (``start_new_session=True``, a daemon) leads a group of its own,
+  out of reach of a group kill: so every kill also finds the rank's descendants by walking
+  ``/proc`` (:func:`descendants`) *before* anything dies (an orphan is re-parented and lost
+  to the walk), stops them, and kills them; and a rank that ends kills what it started.
+  Without ``/proc`` (macOS) only the groups are killed.
 """
 
 from __future__ import annotations
@@ -76,16 +81,91 @@ def check_world_size(world_size: int, backend: str) -> None:
 WATCHDOG_PERIOD_S = 0.1
 
 
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> its children's pids, for every process in ``/proc`` ({} without it)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return {}
+    kids: dict[int, list[int]] = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:                       # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so cut at the last
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1:
+            kids.setdefault(int(fields[1]), []).append(int(name))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...), whatever their session or
+    process group, from one walk of ``/proc``; [] where there is no ``/proc``."""
+    kids, found, todo = _children(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int, group: bool = False) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_tree(pid: int, *, group: bool = True) -> None:
+    """SIGKILL every descendant of ``pid`` and (``group``) its process group. The
+    descendants are stopped first (SIGSTOP: a stopped process starts no more), walk after
+    walk until one finds no new process, so that none escapes by forking meanwhile; one
+    that leads a group of its own takes its group along. ``pid`` itself is stopped first
+    unless it is this process (a rank cleaning up after itself: it must live to exit)."""
+    me = pid == os.getpid()
+    if not me:
+        _signal(pid, signal.SIGSTOP)
+        _signal(pid, signal.SIGSTOP, group=True)
+    stopped: set[int] = set()
+    for _ in range(100):                      # a fork bomb does not keep us here forever
+        new = [p for p in descendants(pid) if p not in stopped]
+        if not new:
+            break
+        for p in new:
+            _signal(p, signal.SIGSTOP)
+        stopped.update(new)
+    leaders = set()
+    for p in stopped:
+        try:
+            if os.getpgid(p) == p:            # e.g. started with start_new_session=True
+                leaders.add(p)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in stopped:
+        _signal(p, signal.SIGKILL)
+    for p in leaders - {os.getpgrp()}:
+        _signal(p, signal.SIGKILL, group=True)
+    if group and not me:
+        _signal(pid, signal.SIGKILL, group=True)
+        _signal(pid, signal.SIGKILL)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """In a rank: lead a new process group (what the rank starts joins it), and kill that
-    whole group as soon as the parent process is gone. A thread, so that it runs while the
-    main thread waits in a collective."""
+    whole group and every descendant (:func:`_kill_tree`) as soon as the parent process is
+    gone. A thread, so that it runs while the main thread waits in a collective."""
     os.setpgid(0, 0)
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(WATCHDOG_PERIOD_S)
-        os.killpg(0, signal.SIGKILL)
+        _kill_tree(os.getpid(), group=False)          # its descendants, in any session
+        os.killpg(0, signal.SIGKILL)                  # then its group, itself included
 
     if os.getppid() != parent_pid:          # the parent died before we started
         os.killpg(0, signal.SIGKILL)
@@ -96,10 +176,7 @@ def _kill_group(proc: Any) -> None:
     """Kill a rank and everything in its process group (it may have died already)."""
     if proc.pid is None:
         return
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    _signal(proc.pid, signal.SIGKILL, group=True)
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
@@ -134,6 +211,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, timeout_s: float
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _kill_tree(os.getpid(), group=False)   # what the worker started dies with the rank
 
 
 def _earliest_error(results: Any, rank: int, payload: str, stamp: float,
@@ -234,11 +312,13 @@ def _launch_once(worker: Callable[..., Any], world_size: int, args: tuple, backe
             bar.update()
     finally:
         bar.close()
-        for p in procs:
-            if p.is_alive() and len(done) < world_size:
-                p.terminate()
+        for p in procs:                         # its descendants are found while it lives
+            if p.is_alive() and len(done) < world_size and p.pid is not None:
+                _kill_tree(p.pid)
         for p in procs:
             p.join(timeout=5)
+            if p.is_alive() and p.pid is not None:
+                _kill_tree(p.pid)               # stuck on its way out
             _kill_group(p)                      # the rank, if still there, and its children
             p.join(timeout=5)
         results.close()

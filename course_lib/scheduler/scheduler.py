@@ -57,14 +57,28 @@ def _fcfs(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
 
 
+def undo_waiting_log(waiting: deque, log: list[tuple[str, object, int]]) -> None:
+    """Undo a step's moves in a waiting queue, last first: a request it popped from the front
+    goes back there, one it pushed to the front leaves, one it removed goes back to its place.
+    (Both schedulers' steps only move requests in these three ways, so the queue itself is
+    never copied.)"""
+    for move, item, index in reversed(log):
+        if move == "pop":
+            waiting.appendleft(item)
+        elif move == "push":
+            waiting.popleft()
+        else:
+            waiting.insert(index, item)
+
+
 class SchedulerSnapshot(NamedTuple):
     """``Scheduler.snapshot()``: the queues, counters, request and sequence fields, blocks."""
-    waiting: list[Request]
+    waiting_log: list[tuple[str, Request, int]]     # the step's moves in the waiting queue
     running: list[Request]
     swapped: list[Request]
     counters: tuple[int, ...]
-    requests: list[tuple]
-    block_manager: ManagerSnapshot
+    requests: dict[int, tuple[Request, tuple]]      # id -> (request, its save()): grows as
+    block_manager: ManagerSnapshot                  # the step touches waiting requests
 
 
 class Scheduler:
@@ -94,6 +108,8 @@ class Scheduler:
         self.num_prompt_tokens = 0         # vllm:prompt_tokens_total (recomputed ones included)
         self.num_generated_tokens = 0      # vllm:generation_tokens_total
         self._next_seq_id = 0
+        self._saved: dict[int, tuple[Request, tuple]] | None = None   # in a step: see snapshot
+        self._waiting_log: list[tuple[str, Request, int]] | None = None
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -216,11 +232,12 @@ class Scheduler:
         bm, cfg = self.block_manager, self.config
         while self.waiting:
             req = self.waiting[0]
+            self._save(req)                  # ignored or admitted below: the step changes it
             seqs = req.unfinished_seqs
             status = checks.can_allocate(bm, req, seqs)
             reason = checks.never_fits(cfg, bm, req, status)
             if reason is not None:
-                self.waiting.popleft()
+                self._pop_waiting()
                 self._finish(req, S.FINISHED_IGNORED, reason)
                 out.ignored.append(req)
                 continue
@@ -231,7 +248,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and \
                     seqs[0].prefill_target > budget.remaining_tokens:
                 break
-            self.waiting.popleft()
+            self._pop_waiting()
             shares = bm.allocate_group(
                 [(s.seq_id, t) for s, t in zip(seqs, checks.prefill_tokens(seqs), strict=True)],
                 checks.salt(req))
@@ -262,7 +279,7 @@ class Scheduler:
             bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = S.WAITING
-        self.waiting.appendleft(req)                    # first in line when room comes back
+        self._push_waiting_front(req)                   # first in line when room comes back
         out.preempted.append((req.request_id, "recompute"))
 
     # --------------------------------------------------------------------------- update
@@ -317,9 +334,16 @@ class Scheduler:
     def finish_request(self, request_id: int, status: SequenceStatus, detail: str) -> bool:
         """Take a request out of its queue and finish it with ``status`` (``detail``: why),
         freeing its blocks; False if it is not queued here."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for i, req in enumerate(self.waiting):
+            if req.request_id == request_id:
+                self._save(req)
+                self._remove_waiting(i)
+                self._finish(req, status, detail)
+                return True
+        for queue in (self.running, self.swapped):
             for req in queue:
                 if req.request_id == request_id:
+                    self._save(req)
                     queue.remove(req)
                     self._finish(req, status, detail)
                     return True
@@ -343,25 +367,67 @@ class Scheduler:
 
     # ------------------------------------------------------------- snapshot / restore
     def snapshot(self) -> SchedulerSnapshot:
-        """Everything a step can change: the queues, the counters, each queued request's
-        fields and sequences, and the block manager (see ``LLMEngine.step``). A sequence's
-        output list is only ever appended to, so its length is enough to restore it."""
-        reqs = [(req, req.save()) for req in (*self.waiting, *self.running, *self.swapped)]
+        """Everything a step can change, before it changes it: the running and swapped lists,
+        the counters, the block manager, and the requests the step runs. Running and swapped
+        requests are saved now; the waiting queue is not copied (the step logs what it takes
+        from and puts back at its front) and a waiting request is saved only when the step
+        first touches it (:meth:`_save`: admitted or ignored), so the cost grows with the
+        batch, never with the waiting queue. A sequence's output list is only ever appended
+        to, so its length is enough to restore it. Ends with :meth:`restore` or
+        :meth:`commit`."""
+        self._saved = {id(r): (r, r.save()) for r in (*self.running, *self.swapped)}
+        self._waiting_log = []
         return SchedulerSnapshot(
-            list(self.waiting), list(self.running), list(self.swapped),
+            self._waiting_log, list(self.running), list(self.swapped),
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
              self.num_generated_tokens, self._next_seq_id),
-            reqs, self.block_manager.snapshot())
+            self._saved, self.block_manager.snapshot())
+
+    def _save(self, req: Request) -> None:
+        """Save a request the running step is about to change, if not saved yet."""
+        if self._saved is not None and id(req) not in self._saved:
+            self._saved[id(req)] = (req, req.save())
+
+    def _pop_waiting(self) -> Request:
+        """The waiting queue's first request, taken out (admitted or ignored). A step only
+        takes from the front and puts back at the front, and logs both: undoing them restores
+        the queue without copying it."""
+        req = self.waiting.popleft()
+        if self._saved is not None:
+            self._waiting_log.append(("pop", req, 0))
+        return req
+
+    def _push_waiting_front(self, req: Request) -> None:
+        self.waiting.appendleft(req)
+        if self._saved is not None:
+            self._waiting_log.append(("push", req, 0))
+
+    def _remove_waiting(self, index: int) -> None:
+        """Take the request at ``index`` out of the waiting queue (finished from it)."""
+        req = self.waiting[index]
+        del self.waiting[index]
+        if self._saved is not None:
+            self._waiting_log.append(("remove", req, index))
+
+    def touch(self, req: Request) -> None:
+        """Save a request a transaction is about to change from outside a step (the engine
+        finishing a request alone): running, swapped or waiting."""
+        self._save(req)
+
+    def commit(self) -> None:
+        """The step succeeded: stop saving what it touches."""
+        self._saved = self._waiting_log = None
 
     def restore(self, snap: SchedulerSnapshot) -> None:
         """Put the queues, requests, sequences, counters and blocks back as in ``snap``."""
-        self.waiting = deque(snap.waiting)
+        undo_waiting_log(self.waiting, snap.waiting_log)
         self.running, self.swapped = list(snap.running), list(snap.swapped)
         (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
          self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for req, state in snap.requests:
+        for req, state in snap.requests.values():
             req.load(state)
         self.block_manager.restore(snap.block_manager)
+        self._saved = self._waiting_log = None
 
     # --------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:

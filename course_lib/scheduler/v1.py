@@ -37,16 +37,17 @@ from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from ..sizing.units import cdiv
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_step
+from .scheduler import undo_waiting_log
 
 S = SequenceStatus
 
 
 class SchedulerV1Snapshot(NamedTuple):
-    waiting: list[Sequence]
+    waiting_log: list[tuple[str, Sequence, int]]   # the step's moves in the waiting queue
     running: list[Sequence]
-    requests: dict[int, Request]
+    requests_log: list[tuple[int, Request]]        # entries the step took out of ``requests``
     counters: tuple[int, ...]
-    request_fields: list[tuple]
+    request_fields: dict[int, tuple[Request, tuple]]   # grows as the step touches requests
     block_manager: V1Snapshot
     preempted: frozenset[int] = frozenset()
 
@@ -72,13 +73,36 @@ class SchedulerV1:
         self.num_prompt_tokens = self.num_generated_tokens = 0
         self._next_seq_id = 0
         self.preempted: set[int] = set()             # seq ids preempted since admitted
+        self._saved: dict[int, tuple[Request, tuple]] | None = None   # in a step: snapshot
+        self._waiting_log: list[tuple[str, Sequence, int]] | None = None
+        self._requests_log: list[tuple[int, Request]] | None = None
 
     # ------------------------------------------------------------------------ requests
+    def check_prompt_len(self, prompt_len: int) -> None:
+        """Refuse, at the door, a prompt the model cannot continue: longer than
+        ``max_model_len``, or exactly as long (no room for one generated token). vLLM 0.33.0's
+        input processor does this before a request reaches the scheduler
+        (``InputProcessor._validate_prompt_len`` in ``vllm/v1/engine/input_processor.py``,
+        whose messages these are); the V0 design (vLLM 0.6.3) queued such a prompt and
+        finished it as ignored at scheduling."""
+        max_len = self.config.max_model_len
+        suggestion = "Make sure that `max_model_len` is no smaller than the number of text tokens"
+        if prompt_len > max_len:
+            raise ValueError(f"The decoder prompt (length {prompt_len}) is longer than the "
+                             f"maximum model length of {max_len}. {suggestion}.")
+        if prompt_len == max_len:
+            raise ValueError(f"The decoder prompt (length {prompt_len}) plus the number of "
+                             f"requested output tokens (at least 1) is longer than the maximum "
+                             f"model length of {max_len}. {suggestion} (prompt + requested "
+                             f"output tokens).")
+
     def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float = 0.0, cache_salt: str | None = None) -> Request:
-        """Queue a request as ``n`` child sequences (``ValueError`` changes nothing)."""
+        """Queue a request as ``n`` child sequences (``ValueError`` changes nothing; a prompt
+        too long for the model is refused here, see :meth:`check_prompt_len`)."""
         params = sampling_params or SamplingParams()
+        self.check_prompt_len(len(prompt_token_ids))
         if params.use_beam_search:
             raise ValueError("the V1 core runs no beam search (vLLM runs it outside, as "
                              "LLM.beam_search): use course_lib.engine.beam_search.beam_search, "
@@ -118,10 +142,17 @@ class SchedulerV1:
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        elif self.waiting and self.waiting[0] is seq:
+            self._pop_waiting()                     # ignored at the head of the queue
+        elif seq in self.waiting:                   # finished from the queue between steps
+            index = self.waiting.index(seq)
+            del self.waiting[index]
+            if self._saved is not None:
+                self._waiting_log.append(("remove", seq, index))
         self.kv_cache_manager.forget(seq.seq_id)
-        self.requests.pop(seq.seq_id, None)
+        req = self.requests.pop(seq.seq_id, None)
+        if req is not None and self._saved is not None:
+            self._requests_log.append((seq.seq_id, req))
         self.preempted.discard(seq.seq_id)
         seq.status = status
 
@@ -169,27 +200,24 @@ class SchedulerV1:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted.add(seq.seq_id)
-        self.waiting.appendleft(seq)
+        self._push_waiting_front(seq)
         out.preempted.append((req.request_id, "recompute"))
 
     def _never_fits(self, seq: Sequence) -> str | None:
-        cfg, kvm = self.config, self.kv_cache_manager
-        if len(seq.prompt_token_ids) > cfg.max_model_len:
-            return (f"prompt of {len(seq.prompt_token_ids)} tokens is longer than "
-                    f"max_model_len={cfg.max_model_len}")
+        kvm = self.kv_cache_manager                 # (too-long prompts never got in)
         need = cdiv(len(seq), kvm.block_size)
-        if need > kvm.num_gpu_blocks - kvm.watermark_blocks:
+        if need > kvm.num_gpu_blocks:                # alone, no watermark holds (vLLM's rule)
             if seq.output_token_ids:
                 return (f"cannot grow: sequence {seq.seq_id} needs {need} of the "
                         f"{kvm.num_gpu_blocks} GPU blocks; its output stops here")
-            return (f"needs {need} GPU blocks, the pool has {kvm.num_gpu_blocks} "
-                    f"minus a watermark of {kvm.watermark_blocks}")
+            return f"needs {need} GPU blocks, the pool has {kvm.num_gpu_blocks}"
         return None
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         kvm = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            self._save(self.requests[seq.seq_id])    # admitted or ignored below
             req = self.requests[seq.seq_id]
             reason = self._never_fits(seq)
             if reason is not None:
@@ -204,10 +232,12 @@ class SchedulerV1:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits, admission=True)
+            # the watermark holds only while some request runs (vLLM's has_scheduled_reqs)
+            ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits,
+                                     admission=bool(self.running))
             if ids is None:
                 break
-            self.waiting.popleft()
+            self._pop_waiting()
             # vLLM counts a re-admission after a preemption apart (PrefixCacheStats.record)
             kvm.record_prefix_cache_stats(len(seq), num_hit,
                                           preempted=seq.seq_id in self.preempted)
@@ -225,9 +255,25 @@ class SchedulerV1:
         """Apply a step's results (as ``Scheduler.update``): advance the computed tokens,
         append the sampled ones, finish sequences that stopped; returns the requests that
         finished now (ignored ones included). The loop is ``output_processor.apply_step``,
-        shared with the V0 scheduler; V1 marks no blocks here (``allocate_slots`` caches full
-        blocks as it hands them out) and takes each finished sequence out of its queues."""
-        return apply_step(self, out, samples, now, on_sampled=self._drop_finished)
+        shared with the V0 scheduler; it takes each finished sequence out of its queues. Over
+        the hash chain nothing is cached here (``allocate_slots`` caches full blocks as it
+        hands them out, as vLLM does); over the radix tree each sequence's computed blocks
+        enter the tree now, after the step ran (:meth:`_cache_computed`)."""
+        radix = self.cache_config.prefix_cache == "radix"
+        return apply_step(self, out, samples, now,
+                          on_computed=self._cache_computed if radix else None,
+                          on_sampled=self._drop_finished)
+
+    def _cache_computed(self, e: ScheduledSeq) -> None:
+        """The radix design, after the step: a sequence whose step completed a block tells the
+        tree what it has computed (SGLang's ``checkpoint_kv_cache``), which inserts the full
+        blocks, frees the sequence's duplicates of blocks it held already and switches its
+        table onto the tree's copies: the next step's ``block_ids`` are the switched ones."""
+        seq, bs = e.seq, self.cache_config.block_size
+        if seq.num_computed_tokens // bs > (seq.num_computed_tokens - e.num_tokens) // bs:
+            self.kv_cache_manager.cache_computed(seq.seq_id, seq.token_ids,
+                                                 seq.num_computed_tokens,
+                                                 len(seq.prompt_token_ids))
 
     def _drop_finished(self, entries: list[ScheduledSeq]) -> None:
         """Take the sequences of one request that finished in this step out of ``running``
@@ -238,23 +284,60 @@ class SchedulerV1:
 
     # ------------------------------------------------------------ snapshot / restore
     def snapshot(self) -> SchedulerV1Snapshot:
-        fields = [(req, req.save())
-                  for req in {id(r): r for r in self.requests.values()}.values()]
+        """Everything a step can change, before it changes it (as the V0 ``Scheduler``'s):
+        the running list, the counters, the KV-cache manager, and the requests of running
+        sequences; the waiting queue and the map of requests are not copied (the step logs
+        what it takes out of them), and a waiting sequence's request is saved only when the
+        step first touches it (:meth:`_save`), so the cost never grows with the waiting
+        queue. Ends with :meth:`restore` or :meth:`commit`."""
+        self._saved = {id(r): (r, r.save())
+                       for r in (self.requests[s.seq_id] for s in self.running)}
+        self._waiting_log, self._requests_log = [], []
         return SchedulerV1Snapshot(
-            list(self.waiting), list(self.running), dict(self.requests),
+            self._waiting_log, list(self.running), self._requests_log,
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
              self.num_generated_tokens, self._next_seq_id),
-            fields, self.kv_cache_manager.snapshot(), frozenset(self.preempted))
+            self._saved, self.kv_cache_manager.snapshot(), frozenset(self.preempted))
+
+    def _save(self, req: Request) -> None:
+        """Save a request the running step is about to change, if not saved yet."""
+        if self._saved is not None and id(req) not in self._saved:
+            self._saved[id(req)] = (req, req.save())
+
+    def _pop_waiting(self) -> Sequence:
+        """The waiting queue's first sequence, taken out; logged in a step (see V0's
+        ``Scheduler._pop_waiting``: undoing the log restores the queue without a copy)."""
+        seq = self.waiting.popleft()
+        if self._saved is not None:
+            self._waiting_log.append(("pop", seq, 0))
+        return seq
+
+    def _push_waiting_front(self, seq: Sequence) -> None:
+        self.waiting.appendleft(seq)
+        if self._saved is not None:
+            self._waiting_log.append(("push", seq, 0))
+
+    def touch(self, req: Request) -> None:
+        """Save a request a transaction is about to change from outside a step (the engine
+        finishing a request alone)."""
+        self._save(req)
+
+    def commit(self) -> None:
+        """The step succeeded: stop saving what it touches."""
+        self._saved = self._waiting_log = self._requests_log = None
 
     def restore(self, snap: SchedulerV1Snapshot) -> None:
-        self.waiting, self.running = deque(snap.waiting), list(snap.running)
-        self.requests = dict(snap.requests)
+        undo_waiting_log(self.waiting, snap.waiting_log)
+        self.running = list(snap.running)
+        for seq_id, req in snap.requests_log:
+            self.requests[seq_id] = req
         (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
          self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for req, state in snap.request_fields:
+        for req, state in snap.request_fields.values():
             req.load(state)
         self.kv_cache_manager.restore(snap.block_manager)
         self.preempted = set(snap.preempted)
+        self._saved = self._waiting_log = self._requests_log = None
 
     def check_invariants(self) -> None:
         """Running sequences hold blocks for their computed tokens, waiting ones none, no

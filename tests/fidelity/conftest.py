@@ -53,3 +53,11 @@ def sglang():
     import upstream
 
     return upstream.load_sglang(_source("sglang-0.5.23"))
+
+
+@pytest.fixture(scope="session")
+def sglang_allocators():
+    """SGLang 0.5.23's slot allocators (``sglang_allocators.token``, ``.paged``)."""
+    import upstream
+
+    return upstream.load_sglang_allocators(_source("sglang-0.5.23"))

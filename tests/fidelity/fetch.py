@@ -55,6 +55,9 @@ SGLANG_FILES = (
     "sglang/srt/mem_cache/utils.py",
     "sglang/srt/mem_cache/events.py",
     "sglang/srt/mem_cache/unified_radix_cache.py",
+    "sglang/srt/mem_cache/allocator/base.py",
+    "sglang/srt/mem_cache/allocator/token.py",
+    "sglang/srt/mem_cache/allocator/paged.py",
 )
 
 

@@ -191,3 +191,86 @@ class RealRadix(_RadixTwin):
         return {"tree": walk(self.tree.root_node), "evictable": self.tree.evictable_size(),
                 "protected": self.tree.protected_size(),
                 "evictable_leaves": len(self.tree.evictable_leaves)}
+
+
+# ------------------------------------------------------------------------------ allocators
+class _PagesTwin:
+    """SGLang's slot allocators and the course's (``course_lib.memory.radix.allocator``),
+    page ids on both sides as the course's (SGLang's page ``p`` is the course's ``p - 1``: its
+    page 0 takes the dummy writes of padded tokens):
+
+    * ``("alloc", num_pages)``: the pages handed out, in order, or None when short;
+    * ``("free", i, reverse)``: give back the ``i``-th allocation still held (modulo how many),
+      its pages in the order they came, or reversed; SGLang's ``free_segment``, what its tree's
+      eviction and ``_insert_cache`` call, frees them in the order given.
+
+    The state compared: ``available_size`` and the whole free list, front first."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.held: list[list[int]] = []
+
+    def apply(self, op: tuple) -> Any:
+        if op[0] == "alloc":
+            pages = self._alloc(op[1])
+            if pages is not None:
+                self.held.append(pages)
+            return pages
+        if op[0] == "free":
+            if not self.held:
+                return "skipped: nothing held"
+            pages = self.held.pop(op[1] % len(self.held))
+            self._free(pages[::-1] if op[2] else pages)
+            return "freed"
+        raise ValueError(op)
+
+    def _slots(self, pages: list[int], base: int) -> list[int]:
+        ps = self.page_size
+        return [(p + base) * ps + i for p in pages for i in range(ps)]
+
+
+class CoursePages(_PagesTwin):
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        from course_lib.memory.radix.allocator import BlockSlotPool, SlotPool
+
+        super().__init__(page_size)
+        self.pool = SlotPool(num_pages) if page_size == 1 else \
+            BlockSlotPool(num_pages, page_size)
+
+    def _alloc(self, n):
+        slots = self.pool.alloc(n * self.page_size)
+        return None if slots is None else [s // self.page_size for s in slots[::self.page_size]]
+
+    def _free(self, pages):
+        self.pool.free(self._slots(pages, 0))
+
+    def state(self) -> dict:
+        free = list(self.pool._free) if self.page_size == 1 else self.pool.free_blocks[::-1]
+        return {"available": self.pool.available_size(), "free_list": list(free)}
+
+
+class RealPages(_PagesTwin):
+    def __init__(self, num_pages: int, page_size: int, allocators) -> None:
+        super().__init__(page_size)
+        size = num_pages * page_size
+        if page_size == 1:
+            self.pool = allocators.token.TokenToKVPoolAllocator(
+                size, "int64", "cpu", kvcache=None, need_sort=False)
+        else:
+            self.pool = allocators.paged.PagedTokenToKVPoolAllocator(
+                size, page_size, "int64", "cpu", kvcache=None, need_sort=False)
+
+    def _alloc(self, n):
+        slots = self.pool.alloc(n * self.page_size)
+        if slots is None:
+            return None
+        return [s // self.page_size - 1 for s in slots[::self.page_size]]
+
+    def _free(self, pages):
+        from upstream import Tensor
+
+        self.pool.free_segment(Tensor(self._slots(pages, 1)), start_pos=0)
+
+    def state(self) -> dict:
+        return {"available": self.pool.available_size(),
+                "free_list": [p - 1 for p in self.pool.free_pages]}

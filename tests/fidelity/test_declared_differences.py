@@ -185,6 +185,46 @@ def test_one_namespace_key_where_sglang_has_two(sglang):
     assert set(tree.root.children) == {("lora", 1)}
 
 
+def test_sglang_reserves_slot_0_the_course_does_not(sglang_allocators):
+    """SGLang's allocators start their free list at slot (page) 1: slot 0 takes the dummy
+    writes of padded tokens (``clear`` in ``allocator/token.py`` and ``paged.py``), a buffer
+    the course's model runner has no need for. A pool of N usable slots or pages is the
+    course's of N, ids shifted by one; the lockstep test maps them."""
+    from upstream import Tensor
+
+    token = sglang_allocators.token.TokenToKVPoolAllocator(4, "int64", "cpu", None, False)
+    assert list(token.alloc(4)) == [1, 2, 3, 4] and token.alloc(1) is None
+    paged = sglang_allocators.paged.PagedTokenToKVPoolAllocator(4, 2, "int64", "cpu", None,
+                                                                False)
+    assert list(paged.alloc(4)) == [2, 3, 4, 5]
+    paged.free_segment(Tensor([2, 3]), start_pos=0)
+    assert list(paged.free_pages) == [1]
+    from course_lib.memory.radix.allocator import BlockSlotPool, SlotPool
+
+    assert SlotPool(4).alloc(4) == [0, 1, 2, 3] and BlockSlotPool(2, 2).alloc(4) == [0, 1, 2, 3]
+
+
+def test_no_sorted_release_list(sglang_allocators):
+    """With ``need_sort`` (which SGLang sets only under prefill/decode disaggregation,
+    ``kv_cache_configurator.py``) freed pages wait in a release list, out of the free list,
+    until an ``alloc`` runs short; then both are merged and sorted (``merge_and_sort_free``).
+    The course models the default, ``need_sort`` off: freed pages go straight back."""
+    from upstream import Tensor
+
+    paged = sglang_allocators.paged.PagedTokenToKVPoolAllocator(8, 2, "int64", "cpu", None,
+                                                                True)
+    assert list(paged.alloc(6)) == [2, 3, 4, 5, 6, 7]
+    paged.free_segment(Tensor([6, 7, 2, 3]), start_pos=0)     # pages 3, 1: staged
+    assert list(paged.free_pages) == [4] and paged.available_size() == 6
+    assert list(paged.alloc(6)) == [2, 3, 6, 7, 8, 9]          # short: merged and sorted
+    from course_lib.memory.radix.allocator import BlockSlotPool
+
+    course = BlockSlotPool(4, 2)
+    course.alloc(6)
+    course.free([4, 5, 0, 1])                                  # course blocks 2, 0
+    assert course.alloc(6) == [4, 5, 0, 1, 6, 7]               # in the order freed, first
+
+
 def test_every_declared_difference_is_listed_in_the_design_notes():
     """docs/design_notes.md's section names each test of this module, one bullet each."""
     notes = (Path(__file__).resolve().parents[2] / "docs" / "design_notes.md").read_text()

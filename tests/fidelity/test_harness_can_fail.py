@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from harness import Mismatch, run_lockstep
-from sglang_twins import CourseRadix, RealRadix
+from sglang_twins import CoursePages, CourseRadix, RealPages, RealRadix
 from vllm_twins import CourseManager, CourseQueue, RealManager, RealQueue
 
 from course_lib.memory.radix.radix_cache import RadixCache
@@ -116,3 +116,18 @@ def test_a_most_recently_used_eviction_is_caught_in_the_evicted_slots(sglang):
     text = str(err.value)
     assert "first difference: ['answer']['freed'][0]" in text
     assert "'freed': [2, 3]" in text and "'freed': [0, 1]" in text
+
+
+def test_freed_pages_stacked_in_order_are_caught_in_the_free_list(sglang_allocators):
+    """The course's ``BlockSlotPool`` before it followed SGLang: freed blocks pushed on a
+    stack one by one, so that the last of a freed run went out first."""
+
+    class StackPages(CoursePages):
+        def _free(self, pages):
+            super()._free(pages)
+            self.pool.free_blocks[-len(pages):] = pages       # as pushed one by one
+
+    ops = [("alloc", 3), ("free", 0, False)]
+    with pytest.raises(Mismatch) as err:
+        run_lockstep("allocator", ops, StackPages(4, 2), RealPages(4, 2, sglang_allocators))
+    assert "first difference: ['state']['free_list'][0]" in str(err.value)

@@ -11,7 +11,7 @@ import pytest
 from harness import run_lockstep
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sglang_twins import CourseRadix, RealRadix
+from sglang_twins import CoursePages, CourseRadix, RealPages, RealRadix
 
 
 def radix_ops_from(rng: random.Random, n: int, page_size: int) -> list[tuple]:
@@ -56,3 +56,26 @@ def test_a_matched_prefix_is_locked_and_evicted_last_as_in_sglang(sglang):
     course, real = CourseRadix(1), RealRadix(1, sglang)
     run_lockstep("RadixCache(page_size=1)", ops, course, real)
     assert course.apply(("match", [1, 2, 3], None))["slots"] == []
+
+
+def page_ops_from(rng: random.Random, n: int) -> list[tuple]:
+    """Allocations of 0-3 pages and frees of what is held, in order or reversed."""
+    return [("alloc", rng.randrange(4)) if rng.random() < 0.55
+            else ("free", rng.randrange(8), rng.random() < 0.5) for _ in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_allocators_hand_out_pages_in_sglangs_order(sglang_allocators, page_size):
+    """``SlotPool`` beside ``TokenToKVPoolAllocator`` (page size 1: from the front, freed
+    slots to the back) and ``BlockSlotPool`` beside ``PagedTokenToKVPoolAllocator`` (freed
+    pages to the front, in the order given), ``need_sort`` off as SGLang sets it outside
+    disaggregation: the pages handed out, the whole free list, the available size."""
+
+    @settings(max_examples=150)
+    @given(seed=st.integers(0, 2**32 - 1), n=st.integers(5, 40), pages=st.integers(1, 8))
+    def check(seed, n, pages):
+        ops = page_ops_from(random.Random(seed), n)
+        run_lockstep(f"allocator(page_size={page_size})", ops, CoursePages(pages, page_size),
+                     RealPages(pages, page_size, sglang_allocators))
+
+    check()

@@ -57,6 +57,11 @@ REAL_SGLANG = (
     "sglang.srt.mem_cache.base_prefix_cache",
     "sglang.srt.mem_cache.radix_cache",
 )
+REAL_SGLANG_ALLOCATORS = (             # TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator
+    "sglang.srt.mem_cache.allocator.base",
+    "sglang.srt.mem_cache.allocator.token",
+    "sglang.srt.mem_cache.allocator.paged",
+)
 STUBBED_ROOTS = ("torch", "triton", "msgspec", "zmq", "numpy", "cbor2_", "sgl_kernel",
                  "transformers", "PIL", "psutil", "prometheus_client", "pydantic")
 
@@ -123,12 +128,26 @@ class _Logger(logging.LoggerAdapter):
 
 
 class Tensor(list):
-    """The slice of torch's 1-D int64 tensor SGLang's radix tree uses: slicing gives a tensor,
-    ``clone``, ``to``, ``tolist``, ``len``."""
+    """The slice of torch's 1-D int64 tensor SGLang's radix tree and allocators use: slicing
+    gives a tensor, ``clone``, ``to``, ``tolist``, ``len``, ``numel``, ``t // k``, and the one
+    broadcast of the paged ``alloc``, ``(pages[:, None] * k + arange(k)).reshape(-1)``
+    (``+`` and ``*`` of two tensors stay the list's: nothing the harness loads adds them)."""
 
     def __getitem__(self, idx):
+        if idx == (slice(None), None):
+            return _Column(self)
         out = super().__getitem__(idx)
         return Tensor(out) if isinstance(idx, slice) else out
+
+    def numel(self) -> int:
+        return len(self)
+
+    def __floordiv__(self, k: int) -> Tensor:
+        return Tensor(x // k for x in self)
+
+    def reshape(self, *shape) -> Tensor:
+        assert shape == (-1,), shape
+        return Tensor(self)
 
     def clone(self) -> Tensor:
         return Tensor(self)
@@ -140,9 +159,33 @@ class Tensor(list):
         return list(self)
 
 
+class _Column:
+    """``t[:, None]``, a column: times a number, then plus a row, gives the rows flattened
+    (what ``.reshape(-1)`` of the 2-D result would)."""
+
+    def __init__(self, values) -> None:
+        self.values = list(values)
+
+    def __mul__(self, k: int) -> _Column:
+        return _Column(x * k for x in self.values)
+
+    def __add__(self, row) -> Tensor:
+        return Tensor(x + y for x in self.values for y in row)
+
+
 def _torch() -> dict[str, Any]:
     def tensor(data, dtype=None, device=None):
         return Tensor(data)
+
+    def arange(start, end=None, dtype=None, device=None):
+        return Tensor(range(start) if end is None else range(start, end))
+
+    def unique(t):
+        return Tensor(sorted(set(t)))
+
+    def sort(t):
+        order = sorted(range(len(t)), key=t.__getitem__)
+        return Tensor(t[i] for i in order), Tensor(order)
 
     def empty(shape, dtype=None, device=None):
         assert tuple(shape) == (0,), shape
@@ -159,7 +202,8 @@ def _torch() -> dict[str, Any]:
             self.max, self.min = 2**63 - 1, -2**63
 
     return {"Tensor": Tensor, "tensor": tensor, "empty": empty, "cat": cat, "device": device,
-            "iinfo": iinfo, "int64": "int64", "int32": "int32", "dtype": type("dtype", (), {})}
+            "iinfo": iinfo, "int64": "int64", "int32": "int32", "dtype": type("dtype", (), {}),
+            "arange": arange, "unique": unique, "sort": sort}
 
 
 class _VllmEnvs(types.ModuleType):
@@ -187,6 +231,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         register_custom_kv_cache_specs=lambda vllm_config: None)},
     "torch": _torch(),
     "sglang.srt.environ": {"envs": _SglangEnvs()},
+    # allocator/paged.py, at import and in __init__: not ROCm, SGLANG_DEBUG_MEMORY_POOL unset
+    "sglang.srt.utils": {"is_hip": lambda: False,
+                         "get_bool_env_var": lambda name, default="false": False},
 }
 MODULE_OVERRIDES = {"vllm.envs": lambda: _VllmEnvs("vllm.envs")}
 
@@ -260,4 +307,10 @@ def load_vllm(root: Path) -> types.SimpleNamespace:
 
 def load_sglang(root: Path) -> types.SimpleNamespace:
     mods = load({"sglang": root}, REAL_SGLANG)
+    return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})
+
+
+def load_sglang_allocators(root: Path) -> types.SimpleNamespace:
+    """SGLang 0.5.23's KV-slot allocators (``ns.token``, ``ns.paged``, ``ns.base``)."""
+    mods = load({"sglang": root}, REAL_SGLANG_ALLOCATORS)
     return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})

@@ -3,28 +3,49 @@
 :class:`RadixKVCacheManager` answers the V1 scheduler exactly as vLLM V1's ``KVCacheManager``
 (``course_lib/memory/v1/kv_cache_manager.py``) does (``get_computed_blocks``,
 ``allocate_slots`` returning ``None`` when short, ``free``, ``forget``, usage, snapshots), but
-finds cached prefixes the way SGLang 0.5.23 does, with the algorithm of its ``RadixCache``
-(``python/sglang/srt/mem_cache/radix_cache.py``), which the ``UnifiedRadixCache`` its server
-builds keeps (``srt/mem_cache/unified_radix_cache.py``; see ``radix_cache.py``'s docstring): a
-:class:`~course_lib.memory.radix.radix_cache.RadixCache` whose pages are the KV cache's blocks
-(``page_size = block_size``), walked token by token from the root. What follows from that:
+finds and keeps cached prefixes the way SGLang 0.5.23 does, with the algorithm of its
+``RadixCache`` (``python/sglang/srt/mem_cache/radix_cache.py``), which the ``UnifiedRadixCache``
+its server builds keeps (``srt/mem_cache/unified_radix_cache.py``; see ``radix_cache.py``'s
+docstring): a :class:`~course_lib.memory.radix.radix_cache.RadixCache` whose pages are the KV
+cache's blocks (``page_size = block_size``, slots from a
+:class:`~course_lib.memory.radix.allocator.BlockSlotPool`, SGLang's
+``PagedTokenToKVPoolAllocator``), walked token by token from the root. What follows from that:
 
 * **Hits compare tokens, not hashes**: nothing to trust, nothing to collide.
-* **Eviction is SGLang's**: free blocks are a plain stack; when it is empty, the least recently
-  used *unlocked leaves* of the tree are evicted (never an inner node: a prefix others extend
-  stays while they do), where V1's free-block queue evicts from its front.
+* **Only computed content enters the tree, after the step that computed it.** vLLM caches a
+  full block when it is allocated; SGLang inserts a request's computed, page-aligned prefix
+  once its prefill chunk has run (``checkpoint_kv_cache`` in ``srt/mem_cache/common.py`` ->
+  ``RadixCache.checkpoint`` / ``_insert_cache``) and again when it finishes
+  (``release_kv_cache``). Here the V1 scheduler's ``update`` calls :meth:`cache_computed` for
+  each sequence whose step completed a block: its computed full blocks are inserted, and
+  ``insert`` answers how many leading tokens the tree held already.
+* **Duplicates are freed and the sequence is switched onto the tree's blocks**, as SGLang
+  does: the sequence's own blocks for content the tree already held (another sequence computed
+  the same prefix first, or in the same step) go back to the free list
+  (``free_segment(kv_indices[cache_protected_len:prefix_len])``), its block table is rewritten
+  to the tree's blocks (``req_to_token_pool.write``) and its lock moves to the new last node.
+  The switch happens after the step, never at allocation: both copies then hold the same
+  K/V, and the step wrote only into the sequence's own block; the next step's tables (which
+  ``allocate_slots`` returns) are the switched ones.
+* **Eviction is SGLang's**: when the free list is short, the least recently used *unlocked
+  leaves* of the tree are evicted (never an inner node: a prefix others extend stays while
+  they do), where V1's free-block queue evicts from its front.
 * **Locks instead of reference counts** for cached blocks: a sequence locks the path to the end
-  of its cached prefix (``inc_lock_ref``), so nothing it reads is evicted.
-* As in V1, full blocks enter the cache when they are allocated for tokens this step computes,
-  and a block that fills up to match content already in the tree is not merged: that sequence's
-  later blocks stay private (freed, not cached, when it ends). SGLang inserts a request's
-  computed prefix after every prefill chunk has run and again when the request finishes
-  (``checkpoint_kv_cache`` in ``srt/mem_cache/common.py``), and frees the request's slots that
-  duplicate the tree's, switching the request onto the tree's copy; this manager does neither
-  the freeing nor the switch.
+  of its cached prefix (``inc_lock_ref``), so nothing it reads is evicted; :meth:`free`
+  unlocks it (the path stays cached, evictable) and gives the private tail back.
 
-A block is in exactly one place: the free stack, the tree (evictable when unlocked), or one
-sequence's private tail.
+A block is in exactly one place: the free list, the tree (evictable when unlocked), or one
+sequence's private tail (the blocks past its cached prefix: a partial last block, blocks this
+step is computing, or, with caching off, all of them).
+
+Where the timing differs from SGLang's: SGLang checkpoints after every prefill chunk (whether or
+not it completed a page) and at finish, not after decode steps, and releases a retracted or
+aborted request without an insert (``release_kv_cache(checkpoint=False)``, with a TODO to
+insert); the course inserts after any step that completed a block, decode steps included, so a
+block filled by decoding is shared as soon as it is full, and a preempted or aborted sequence
+leaves all its computed full blocks in the tree. In both, a step never has a block switched
+under it, and a lookup finds only computed content (so, unlike vLLM's hash chain, a request
+cannot reuse blocks that a request admitted in the same step is still computing).
 """
 
 from __future__ import annotations
@@ -51,12 +72,11 @@ class RadixKVCacheManager(V1ManagerBase):
         self.pool = BlockSlotPool(num_gpu_blocks, block_size)
         self.tree = RadixCache(num_gpu_blocks * block_size, block_size, pool=self.pool)
         self.last_node: dict[int, TreeNode] = {}     # locked end of the cached prefix
-        self.diverged: set[int] = set()              # later full blocks duplicate the tree
 
     # ------------------------------------------------------------------------ queries
     @property
     def num_free_gpu_blocks(self) -> int:
-        """Blocks an allocation can get: the free stack plus unlocked cached blocks."""
+        """Blocks an allocation can get: the free list plus unlocked cached blocks."""
         return self.pool.num_free_blocks + self.tree.evictable_size() // self.block_size
 
     def get_block_table(self, seq_id: int) -> list[int]:
@@ -118,42 +138,56 @@ class RadixKVCacheManager(V1ManagerBase):
         slots = tree.alloc(num_new * bs) if num_new else []
         blocks = blocks + hits + [slots[i] // bs for i in range(0, len(slots), bs)]
         self.req_to_blocks[seq_id], self.num_slots[seq_id] = blocks, total
-        if self.enable_caching:
-            self._cache_full_blocks(seq_id, token_ids, total // bs)
         return list(blocks)
 
-    def _cache_full_blocks(self, seq_id: int, token_ids: list[int], num_full: int) -> None:
-        """Insert the sequence's full blocks past its cached prefix into the tree, and move
-        its lock to the new end; a sequence whose new block duplicates a cached one stops
-        caching (no merge, as in V1; SGLang would switch it onto the tree's copy)."""
-        done = self.num_cached_block.get(seq_id, 0)
-        if seq_id in self.diverged or num_full <= done:
+    # ------------------------------------------------------------ after the step ran
+    def cache_computed(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
+                       num_prompt_tokens: int | None = None) -> None:
+        """The sequence has computed its first ``num_computed_tokens`` tokens (the step that
+        computed them has run): SGLang's ``RadixCache.checkpoint``. Its computed full blocks
+        are inserted into the tree; those whose content the tree held already (``insert``'s
+        answer) are duplicates: they go back to the free list, in table order, and the block
+        table is rewritten to the tree's blocks; the lock moves to the new last node. With
+        ``num_prompt_tokens``, an insert that reaches past the prompt splits the tree at the
+        prompt's last whole block too (SGLang's ``split_prompt``: eviction can then drop the
+        generated part and keep the prompt). A no-op when caching is off, for a sequence
+        holding no blocks, or when no new full block was computed."""
+        if not self.enable_caching or seq_id not in self.req_to_blocks:
             return
+        if not 0 <= num_computed_tokens <= min(self.num_slots[seq_id], len(token_ids)):
+            raise ValueError(f"seq {seq_id}: {num_computed_tokens} computed tokens, it holds "
+                             f"{self.num_slots[seq_id]} slots and has {len(token_ids)} tokens")
         bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
-        tokens = token_ids[:num_full * bs]
-        found, _ = self._peek(tokens, ns)
-        if len(found) > done:
-            self.diverged.add(seq_id)
+        blocks, done = self.req_to_blocks[seq_id], self.num_cached_block.get(seq_id, 0)
+        num_full = num_computed_tokens // bs
+        if num_full <= done:
             return
-        tree.insert(tokens, self._slots(self.req_to_blocks[seq_id][:num_full]), ns)
-        _, node = tree.match_prefix(tokens, ns)
-        tree.inc_lock_ref(node)
+        tokens = token_ids[:num_full * bs]
+        num_dup = tree.insert(tokens, self._slots(blocks[:num_full]), ns) // bs
+        if num_prompt_tokens is not None and 0 < num_prompt_tokens // bs < num_full:
+            tree.insert(tokens[:num_prompt_tokens // bs * bs],
+                        self._slots(blocks[:num_prompt_tokens // bs]), ns)
+        self.pool.free(self._slots(blocks[done:num_dup]))      # the tree had these already
+        path, node = tree.match_prefix(tokens, ns)
         if seq_id in self.last_node:
             tree.dec_lock_ref(self.last_node[seq_id])
+        tree.inc_lock_ref(node)
+        self.req_to_blocks[seq_id] = [s // bs for s in path[::bs]] + blocks[num_full:]
         self.last_node[seq_id], self.num_cached_block[seq_id] = node, num_full
 
     # ------------------------------------------------------------------ give back
     def free(self, seq_id: int) -> None:
-        """Unlock the sequence's cached prefix (it stays in the tree, evictable) and give its
-        private blocks back to the stack."""
+        """Give the sequence's private blocks back to the free list, in table order, and
+        unlock its cached prefix (it stays in the tree, evictable): SGLang's
+        ``release_kv_cache``. What it computed in full blocks is in the tree already
+        (:meth:`cache_computed` ran after each of its steps), so nothing is inserted here."""
         self._blocks_of(seq_id)                      # raises if it holds none
         blocks = self.req_to_blocks.pop(seq_id)
         cached = self.num_cached_block.pop(seq_id, 0)
+        self.pool.free(self._slots(blocks[cached:]))
         if seq_id in self.last_node:
             self.tree.dec_lock_ref(self.last_node.pop(seq_id))
-        self.pool.free(self._slots(reversed(blocks[cached:])))
         self.num_slots.pop(seq_id, None)
-        self.diverged.discard(seq_id)
 
     def reset_prefix_cache(self) -> bool:
         """Evict the whole tree; only while no sequence holds blocks."""
@@ -172,10 +206,13 @@ class RadixKVCacheManager(V1ManagerBase):
 
     def check_invariants(self) -> None:
         """The tree's invariants; every block is free, in the tree or one sequence's private
-        tail; a sequence's cached prefix is the path to its locked node; each node is locked
-        once per sequence whose locked node is at or below it."""
+        tail (the blocks past its cached prefix: a switched duplicate is on the free list, not
+        in a table); a sequence's cached prefix is the path to its locked node; each node is
+        locked once per sequence whose locked node is at or below it; with caching off the
+        tree is empty."""
         bs, tree = self.block_size, self.tree
         tree.check_invariants()
+        assert self.enable_caching or not tree.root.children, "caching off, a tree"
         in_tree = self._tree_blocks()
         for n in tree.nodes():
             for i in range(0, len(n.value), bs):
@@ -209,7 +246,7 @@ class RadixKVCacheManager(V1ManagerBase):
                           for b in range(self.num_gpu_blocks))
         tables = {s: SeqBlocks(list(b)) for s, b in self.req_to_blocks.items()}
         per_seq = ({s: list(b) for s, b in self.req_to_blocks.items()}, dict(self.num_slots),
-                   dict(self.num_cached_block), set(self.diverged), dict(self.salts))
+                   dict(self.num_cached_block), dict(self.salts))
         return V1Snapshot(PoolState(state), PoolState(bytearray()), tables,
                           RadixState(self.tree, self.last_node),
                           per_seq, self._counters())
@@ -217,8 +254,8 @@ class RadixKVCacheManager(V1ManagerBase):
     def restore(self, snap: V1Snapshot) -> None:
         self.tree, self.last_node = clone_with_locks(snap.pool.tree, snap.pool.last_node)
         self.pool = self.tree.pool
-        tables, slots, cached, diverged, salts = snap.per_seq
+        tables, slots, cached, salts = snap.per_seq
         self.req_to_blocks = {s: list(b) for s, b in tables.items()}
         self.num_slots, self.num_cached_block = dict(slots), dict(cached)
-        self.diverged, self.salts = set(diverged), dict(salts)
+        self.salts = dict(salts)
         self._load_counters(snap.counters)

@@ -19,9 +19,11 @@ waiting queue and a few subclasses.
   a match that ends inside an edge splits it, so that the boundary is a node.
 * :meth:`RadixCache.insert`: add a request's tokens and slots; returns how many leading tokens
   were cached already (their slots in the request are duplicates: the caller frees them).
-  SGLang's caller (``checkpoint_kv_cache`` in ``srt/mem_cache/common.py``;
-  ``cache_unfinished_req`` in earlier releases) inserts after every prefill chunk and again when
-  the request finishes, frees the duplicates and points the request at the tree's slots.
+  SGLang's caller (``checkpoint_kv_cache`` in ``srt/mem_cache/common.py`` ->
+  ``RadixCache.checkpoint``; ``cache_unfinished_req`` in earlier releases) inserts after every
+  prefill chunk and again when the request finishes, frees the duplicates, points the request
+  at the tree's slots and moves its lock to the new last node; the course's V1 manager does the
+  same after each step (``RadixKVCacheManager.cache_computed`` in ``kv_cache_manager.py``).
 * ``inc_lock_ref`` / ``dec_lock_ref``: a running request locks the path to its last node, so
   that nothing it reads is evicted; ``evictable_size`` and ``protected_size`` count tokens.
 * :meth:`RadixCache.evict`: free tokens by removing unlocked leaves, least recently used first
@@ -29,9 +31,10 @@ waiting queue and a few subclasses.
 * A namespace (``extra_key``: a LoRA id, a cache salt) is part of every child key, so equal
   tokens under different namespaces never share nodes.
 
-The slots come from an allocator (``allocator.py``):
-:class:`~course_lib.memory.radix.allocator.SlotPool`, a free list of token slots standing in
-for SGLang's ``TokenToKVPoolAllocator``, or whole blocks (``BlockSlotPool``). Time is a logical
+The slots come from an allocator (``allocator.py``), handed out in SGLang's order:
+:class:`~course_lib.memory.radix.allocator.SlotPool`, a first-in, first-out free list of token
+slots standing in for SGLang's ``TokenToKVPoolAllocator``, or whole blocks (``BlockSlotPool``,
+its ``PagedTokenToKVPoolAllocator``: freed pages go out first). Time is a logical
 clock (a counter), so eviction order is reproducible: it ticks where SGLang reads
 ``time.monotonic()``, once per lookup or insert (every node on the path gets that time) and
 once more for each node made (a split, a new leaf), so that no two leaves share a time and the

@@ -19,8 +19,8 @@ def clone_with_locks(tree: RadixCache, last_node: dict[int, TreeNode]
 
 def canonical_state(tree: RadixCache) -> tuple:
     """A tree's cached blocks as data: (namespace, the tokens up to the block's end, block id,
-    lock count, last access) per block, and the free stack; equal for equal caches, however
-    their edges happen to be split."""
+    lock count, last access) per block, and the free list in order; equal for equal caches,
+    however their edges happen to be split."""
     bs, pages = tree.page_size, []
     for n in tree.nodes():
         prefix: tuple = ()

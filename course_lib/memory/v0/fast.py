@@ -37,6 +37,7 @@ from collections.abc import Hashable, Sequence
 from ..common import AllocStatus
 from .block_table import BlockTable
 from .manager import BlockManager
+from .pool import NoFreeBlocksError
 from .prefix_cache import ROOT_HASH, BlockKey, PrefixCache, builtin_block_hash, typed_salt
 
 Grown = tuple[list[tuple[int, int]], list[list[int]]]     # (CoW copies, each table's block ids)
@@ -263,6 +264,15 @@ class FastBlockManager(BlockManager):
                 need += 1               # a shared partial last block: its copy
         return need
 
+    def mark_blocks_as_computed(self, seq_id: int, num_computed_tokens: int) -> None:
+        table = self._tables.get(seq_id)
+        if table is not None and table.device == "gpu" \
+                and 0 <= num_computed_tokens <= len(table.token_ids) \
+                and (self.cache is None
+                     or num_computed_tokens // self.block_size <= table.num_cached_blocks):
+            return                                 # nothing new to register
+        super().mark_blocks_as_computed(seq_id, num_computed_tokens)
+
     def can_append_slots(self, seq_id: int, num_new_tokens: int = 1) -> bool:
         table = self._tables.get(seq_id)
         if table is not None and table.device == "gpu" and num_new_tokens >= 0:
@@ -293,15 +303,18 @@ class FastBlockManager(BlockManager):
                 r = n % bs
                 if cache is None or table.num_cached_blocks == n // bs:
                     if r == 0:                           # the last block is full: a new one
-                        if not gpu.num_free_blocks:
+                        try:
+                            block = gpu.allocate()
+                        except NoFreeBlocksError:        # the pool is short: preempt
                             return None
-                        table.writable_blocks().append(gpu.allocate())
+                        table.writable_blocks().append(block)
                     elif gpu.ref_counts[table.blocks[-1]] != 1:
                         return super().append_decode(seq_ids, token_ids)  # copy-on-write
                     tokens.append(token_ids[0])
                     if cache is not None and r == bs - 1:
                         cache.hash_blocks(table, n // bs + 1)          # it just filled up
-                    return [], [table.hand_out()]
+                    table.handed_out = True                  # BlockTable.hand_out, inlined
+                    return [], [table.blocks]
         elif len(seq_ids) == len(token_ids):             # a group: plan all, then grow all
             refs, plan, need = gpu.ref_counts, [], 0
             for seq_id in seq_ids:
@@ -327,6 +340,7 @@ class FastBlockManager(BlockManager):
                     tokens.append(token)
                     if cache is not None and len(tokens) % bs == 0:
                         cache.hash_blocks(table, len(tokens) // bs)    # it just filled up
-                    out.append(table.hand_out())
+                    table.handed_out = True                  # BlockTable.hand_out, inlined
+                    out.append(table.blocks)
                 return [], out
         return super().append_decode(seq_ids, token_ids)   # anything else: the plain path

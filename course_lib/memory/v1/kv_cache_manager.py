@@ -23,11 +23,9 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.v0.manager
 * **The watermark** (vLLM 0.33's ``watermark``, default 0) holds back blocks from waiting and
   preempted requests, never from running ones, and in vLLM only while some request is running
   (``has_scheduled_reqs=bool(self.running)`` in ``vllm/v1/core/sched/scheduler.py``; the test
-  is in ``allocate_slots``): into an empty engine vLLM admits a request without it. The course's
-  manager does not apply it the same way: it holds the watermark back from every admission
-  (``allocate_slots(..., admission=True)``, which ``SchedulerV1`` passes for every waiting or
-  preempted sequence), running requests or none, and ``SchedulerV1`` finishes as ignored a
-  prompt that needs more blocks than the pool less the watermark.
+  is in ``allocate_slots``): into an empty engine vLLM admits a request without it. So does the
+  course: ``SchedulerV1`` passes ``admission=bool(self.running)``, and finishes as ignored only
+  a request that needs more blocks than the whole pool.
 """
 
 from __future__ import annotations
@@ -115,8 +113,8 @@ class KVCacheManager(V1ManagerBase):
         ``new_computed_blocks`` of a prefix hit, for a sequence being admitted). Returns the
         sequence's block ids, or None if the pool is short (nothing changes). Full blocks of
         the tokens this step computes enter the prefix cache now (see the module docstring).
-        ``admission``: a waiting or preempted sequence, held to the watermark (always here;
-        vLLM only while some request is running: module docstring)."""
+        ``admission``: a waiting or preempted sequence while some request is running, held to
+        the watermark (vLLM's ``has_scheduled_reqs`` and status test: module docstring)."""
         total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens,
                                      len(new_computed_blocks) * self.block_size, num_new_tokens)
         blocks = self.req_to_blocks.get(seq_id, [])
