@@ -66,17 +66,16 @@ def test_first_code_cell_reports_the_backend_and_nothing_else(notebook):
     assert printed.startswith("backend: ")
 
 
+def compared_texts(nb: dict) -> list[str]:
+    """The text of every output nbval compares (cells not marked to be ignored)."""
+    return ["".join(out.get("text", [])) + "".join(out.get("data", {}).get("text/plain", []))
+            for cell in code_cells(nb) if not IGNORED.search("".join(cell["source"]))
+            for out in cell["outputs"]]
+
+
 def backend_names_in_compared_outputs(nb: dict) -> list[str]:
     """Backend names found in the text outputs of the cells nbval compares."""
-    found = []
-    for cell in code_cells(nb):
-        if IGNORED.search("".join(cell["source"])):
-            continue
-        for out in cell["outputs"]:
-            text = "".join(out.get("text", [])) + "".join(
-                out.get("data", {}).get("text/plain", []))
-            found += BACKEND_NAMES.findall(text)
-    return found
+    return [name for text in compared_texts(nb) for name in BACKEND_NAMES.findall(text)]
 
 
 def test_no_compared_output_names_a_backend(notebook):
@@ -104,15 +103,7 @@ ROUNDING_RESIDUE = re.compile(r"\b\d\.\d+e-(?:0?[6-9]|[1-9]\d)\b", re.IGNORECASE
 
 def rounding_residues_in_compared_outputs(nb: dict) -> list[str]:
     """Tiny floats (<= 1e-6, scientific notation) in the outputs nbval compares."""
-    found = []
-    for cell in code_cells(nb):
-        if IGNORED.search("".join(cell["source"])):
-            continue
-        for out in cell["outputs"]:
-            text = "".join(out.get("text", [])) + "".join(
-                out.get("data", {}).get("text/plain", []))
-            found += ROUNDING_RESIDUE.findall(text)
-    return found
+    return [x for text in compared_texts(nb) for x in ROUNDING_RESIDUE.findall(text)]
 
 
 def test_no_compared_output_prints_a_rounding_residue(notebook):
