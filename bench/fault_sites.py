@@ -56,8 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # memory_helpers
 
 import torch  # noqa: E402
+from memory_helpers import snapshot as v0_manager_state  # noqa: E402  (the V0 manager's state)
 
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.engine.llm_engine import LLMEngine  # noqa: E402
@@ -390,18 +392,7 @@ def _manager_state(engine: LLMEngine):
     public state, never through its own snapshot."""
     bm = engine.block_manager
     if engine.design == "v0":
-        pools = [(p.device, list(p.ref_counts), p.free_block_ids(), p.evictable_block_ids())
-                 for p in (bm.gpu, bm.cpu)]
-        tables = {}
-        for seq_id in bm.seq_ids():
-            t = bm.get_table(seq_id)
-            tables[seq_id] = (t.device, list(t.blocks), list(t.token_ids), list(t.block_hashes),
-                              t.num_cached_blocks, t.cache_parent, t.extra_key)
-        cache = None
-        if bm.cache is not None:
-            cache = ({b: (bm.cache.key_of(b), bm.cache.identity(b))
-                      for b in bm.cache.cached_block_ids()}, bm.cache.num_collisions)
-        return pools, tables, cache, bm.prefix_cache_stats
+        return v0_manager_state(bm)
     # V1 and radix: every plain attribute (block objects as their ids, tree nodes as their
     # key and value: whatever fields the manager has today), then the pool or the tree
     fields = {k: _plain(v) for k, v in vars(bm).items()

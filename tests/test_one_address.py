@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from test_layers import write_package  # the same tiny package writer as the layering detectors
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "course_lib"
@@ -508,15 +509,6 @@ def texts(index: Index, repo: Path = REPO) -> Iterator[tuple[str, str, dict[str,
 
 
 # ------------------------------------------------------------------ the detectors trip
-def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
-    root = tmp_path / "pkg"
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
-
-
 @pytest.fixture
 def facade_package(tmp_path) -> Index:
     root = write_package(tmp_path, {

@@ -4,6 +4,8 @@
                         batching, chunked prefill), preemption by recompute or swap,
                         ``update``, the request queues, snapshot / restore (the engine's
                         all-or-nothing step), ``check_invariants``; owns the block manager
+* ``waiting``           :class:`WaitingQueue`: both schedulers' waiting queue, which logs the
+                        moves a step makes in it so that a failed step is undone without a copy
 * ``policy``            :class:`SchedulingBudget` and the victim policies
 * ``admission``         room for a decode, a prompt or a swap-in; why a request can never fit
 * ``output``            :class:`SchedulerOutput` / :class:`ScheduledSeq`: one step's decision,

@@ -54,7 +54,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -384,18 +383,29 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-class _MetricsServer(ThreadingMixIn, WSGIServer):
-    """The WSGI server with one thread per connection, as the standard library's
-    ``http.server.ThreadingHTTPServer`` is ``ThreadingMixIn`` + ``HTTPServer``: a slow client
-    holds its own thread (until its deadline, :class:`_QuietHandler`), never the scrapes of
-    the others. A listen backlog of 128 (socketserver's default is 5: a burst of scrapers
-    beyond it waits for SYN retransmits, 1 s and more). Threads are daemons and
-    ``server_close()`` does not wait for them. A client that times out or drops its
-    connection is not worth a traceback."""
+class _MetricsServer(WSGIServer):
+    """The WSGI server with one thread per connection (what the standard library's
+    ``ThreadingMixIn`` adds, written out here: one class, no mixin): a slow client holds its
+    own thread (until its deadline, :class:`_QuietHandler`), never the scrapes of the others.
+    A listen backlog of 128 (socketserver's default is 5: a burst of scrapers beyond it waits
+    for SYN retransmits, 1 s and more). Threads are daemons, so ``server_close()`` does not
+    wait for them. A client that times out or drops its connection is not worth a
+    traceback."""
 
-    daemon_threads = True
-    block_on_close = False
     request_queue_size = 128
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:
+        """Answer the connection in a thread of its own (socketserver calls this per accept)."""
+        threading.Thread(target=self._answer, args=(request, client_address),
+                         daemon=True).start()
+
+    def _answer(self, request: socket.socket, client_address: object) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
 
     def handle_error(self, request: object, client_address: object) -> None:
         if not isinstance(sys.exc_info()[1], OSError):

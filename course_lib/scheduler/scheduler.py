@@ -47,6 +47,7 @@ from . import admission as checks
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_step
 from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
+from .waiting import WaitingQueue
 
 __all__ = ["Scheduler", "SchedulerSnapshot"]
 
@@ -55,20 +56,6 @@ S = SequenceStatus
 
 def _fcfs(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
-
-
-def undo_waiting_log(waiting: deque, log: list[tuple[str, object, int]]) -> None:
-    """Undo a step's moves in a waiting queue, last first: a request it popped from the front
-    goes back there, one it pushed to the front leaves, one it removed goes back to its place.
-    (Both schedulers' steps only move requests in these three ways, so the queue itself is
-    never copied.)"""
-    for move, item, index in reversed(log):
-        if move == "pop":
-            waiting.appendleft(item)
-        elif move == "push":
-            waiting.popleft()
-        else:
-            waiting.insert(index, item)
 
 
 class SchedulerSnapshot(NamedTuple):
@@ -100,7 +87,7 @@ class Scheduler:
                                               cc.num_cpu_blocks, cc.watermark,
                                               cc.enable_prefix_caching)
         self.victim_policy = victim_policy
-        self.waiting: deque[Request] = deque()
+        self.waiting: WaitingQueue = WaitingQueue()   # of Requests; a step's moves logged
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_steps = 0
@@ -109,7 +96,6 @@ class Scheduler:
         self.num_generated_tokens = 0      # vllm:generation_tokens_total
         self._next_seq_id = 0
         self._saved: dict[int, tuple[Request, tuple]] | None = None   # in a step: see snapshot
-        self._waiting_log: list[tuple[str, Request, int]] | None = None
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -237,7 +223,7 @@ class Scheduler:
             status = checks.can_allocate(bm, req, seqs)
             reason = checks.never_fits(cfg, bm, req, status)
             if reason is not None:
-                self._pop_waiting()
+                self.waiting.pop_front()
                 self._finish(req, S.FINISHED_IGNORED, reason)
                 out.ignored.append(req)
                 continue
@@ -248,7 +234,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and \
                     seqs[0].prefill_target > budget.remaining_tokens:
                 break
-            self._pop_waiting()
+            self.waiting.pop_front()
             shares = bm.allocate_group(
                 [(s.seq_id, t) for s, t in zip(seqs, checks.prefill_tokens(seqs), strict=True)],
                 checks.salt(req))
@@ -279,7 +265,7 @@ class Scheduler:
             bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = S.WAITING
-        self._push_waiting_front(req)                   # first in line when room comes back
+        self.waiting.push_front(req)                    # first in line when room comes back
         out.preempted.append((req.request_id, "recompute"))
 
     # --------------------------------------------------------------------------- update
@@ -337,7 +323,7 @@ class Scheduler:
         for i, req in enumerate(self.waiting):
             if req.request_id == request_id:
                 self._save(req)
-                self._remove_waiting(i)
+                self.waiting.remove_at(i)
                 self._finish(req, status, detail)
                 return True
         for queue in (self.running, self.swapped):
@@ -376,9 +362,8 @@ class Scheduler:
         to, so its length is enough to restore it. Ends with :meth:`restore` or
         :meth:`commit`."""
         self._saved = {id(r): (r, r.save()) for r in (*self.running, *self.swapped)}
-        self._waiting_log = []
         return SchedulerSnapshot(
-            self._waiting_log, list(self.running), list(self.swapped),
+            self.waiting.begin_log(), list(self.running), list(self.swapped),
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
              self.num_generated_tokens, self._next_seq_id),
             self._saved, self.block_manager.snapshot())
@@ -388,27 +373,6 @@ class Scheduler:
         if self._saved is not None and id(req) not in self._saved:
             self._saved[id(req)] = (req, req.save())
 
-    def _pop_waiting(self) -> Request:
-        """The waiting queue's first request, taken out (admitted or ignored). A step only
-        takes from the front and puts back at the front, and logs both: undoing them restores
-        the queue without copying it."""
-        req = self.waiting.popleft()
-        if self._saved is not None:
-            self._waiting_log.append(("pop", req, 0))
-        return req
-
-    def _push_waiting_front(self, req: Request) -> None:
-        self.waiting.appendleft(req)
-        if self._saved is not None:
-            self._waiting_log.append(("push", req, 0))
-
-    def _remove_waiting(self, index: int) -> None:
-        """Take the request at ``index`` out of the waiting queue (finished from it)."""
-        req = self.waiting[index]
-        del self.waiting[index]
-        if self._saved is not None:
-            self._waiting_log.append(("remove", req, index))
-
     def touch(self, req: Request) -> None:
         """Save a request a transaction is about to change from outside a step (the engine
         finishing a request alone): running, swapped or waiting."""
@@ -416,18 +380,19 @@ class Scheduler:
 
     def commit(self) -> None:
         """The step succeeded: stop saving what it touches."""
-        self._saved = self._waiting_log = None
+        self._saved = None
+        self.waiting.end_log()
 
     def restore(self, snap: SchedulerSnapshot) -> None:
         """Put the queues, requests, sequences, counters and blocks back as in ``snap``."""
-        undo_waiting_log(self.waiting, snap.waiting_log)
+        self.waiting.undo(snap.waiting_log)
         self.running, self.swapped = list(snap.running), list(snap.swapped)
         (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
          self.num_generated_tokens, self._next_seq_id) = snap.counters
         for req, state in snap.requests.values():
             req.load(state)
         self.block_manager.restore(snap.block_manager)
-        self._saved = self._waiting_log = None
+        self._saved = None
 
     # --------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:

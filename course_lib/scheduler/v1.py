@@ -24,7 +24,6 @@ takes the same ``update``, and keeps its queues of sequences in ``waiting`` and 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from typing import NamedTuple
@@ -37,7 +36,7 @@ from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from ..sizing.units import cdiv
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_step
-from .scheduler import undo_waiting_log
+from .waiting import WaitingQueue
 
 S = SequenceStatus
 
@@ -65,7 +64,7 @@ class SchedulerV1:
         self.kv_cache_manager = manager(cc.block_size, cc.num_gpu_blocks,
                                         cc.enable_prefix_caching, cc.watermark)
         self.block_manager = self.kv_cache_manager   # the name the engine and metrics read
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: WaitingQueue = WaitingQueue()  # of Sequences; a step's moves logged
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []            # V1 never swaps: always empty
         self.requests: dict[int, Request] = {}       # seq_id -> its request
@@ -74,7 +73,6 @@ class SchedulerV1:
         self._next_seq_id = 0
         self.preempted: set[int] = set()             # seq ids preempted since admitted
         self._saved: dict[int, tuple[Request, tuple]] | None = None   # in a step: snapshot
-        self._waiting_log: list[tuple[str, Sequence, int]] | None = None
         self._requests_log: list[tuple[int, Request]] | None = None
 
     # ------------------------------------------------------------------------ requests
@@ -143,12 +141,9 @@ class SchedulerV1:
         if seq in self.running:
             self.running.remove(seq)
         elif self.waiting and self.waiting[0] is seq:
-            self._pop_waiting()                     # ignored at the head of the queue
+            self.waiting.pop_front()                # ignored at the head of the queue
         elif seq in self.waiting:                   # finished from the queue between steps
-            index = self.waiting.index(seq)
-            del self.waiting[index]
-            if self._saved is not None:
-                self._waiting_log.append(("remove", seq, index))
+            self.waiting.remove_at(self.waiting.index(seq))
         self.kv_cache_manager.forget(seq.seq_id)
         req = self.requests.pop(seq.seq_id, None)
         if req is not None and self._saved is not None:
@@ -200,7 +195,7 @@ class SchedulerV1:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted.add(seq.seq_id)
-        self._push_waiting_front(seq)
+        self.waiting.push_front(seq)
         out.preempted.append((req.request_id, "recompute"))
 
     def _never_fits(self, seq: Sequence) -> str | None:
@@ -237,7 +232,7 @@ class SchedulerV1:
                                      admission=bool(self.running))
             if ids is None:
                 break
-            self._pop_waiting()
+            self.waiting.pop_front()
             # vLLM counts a re-admission after a preemption apart (PrefixCacheStats.record)
             kvm.record_prefix_cache_stats(len(seq), num_hit,
                                           preempted=seq.seq_id in self.preempted)
@@ -292,9 +287,9 @@ class SchedulerV1:
         queue. Ends with :meth:`restore` or :meth:`commit`."""
         self._saved = {id(r): (r, r.save())
                        for r in (self.requests[s.seq_id] for s in self.running)}
-        self._waiting_log, self._requests_log = [], []
+        self._requests_log = []
         return SchedulerV1Snapshot(
-            self._waiting_log, list(self.running), self._requests_log,
+            self.waiting.begin_log(), list(self.running), self._requests_log,
             (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
              self.num_generated_tokens, self._next_seq_id),
             self._saved, self.kv_cache_manager.snapshot(), frozenset(self.preempted))
@@ -304,19 +299,6 @@ class SchedulerV1:
         if self._saved is not None and id(req) not in self._saved:
             self._saved[id(req)] = (req, req.save())
 
-    def _pop_waiting(self) -> Sequence:
-        """The waiting queue's first sequence, taken out; logged in a step (see V0's
-        ``Scheduler._pop_waiting``: undoing the log restores the queue without a copy)."""
-        seq = self.waiting.popleft()
-        if self._saved is not None:
-            self._waiting_log.append(("pop", seq, 0))
-        return seq
-
-    def _push_waiting_front(self, seq: Sequence) -> None:
-        self.waiting.appendleft(seq)
-        if self._saved is not None:
-            self._waiting_log.append(("push", seq, 0))
-
     def touch(self, req: Request) -> None:
         """Save a request a transaction is about to change from outside a step (the engine
         finishing a request alone)."""
@@ -324,10 +306,11 @@ class SchedulerV1:
 
     def commit(self) -> None:
         """The step succeeded: stop saving what it touches."""
-        self._saved = self._waiting_log = self._requests_log = None
+        self._saved = self._requests_log = None
+        self.waiting.end_log()
 
     def restore(self, snap: SchedulerV1Snapshot) -> None:
-        undo_waiting_log(self.waiting, snap.waiting_log)
+        self.waiting.undo(snap.waiting_log)
         self.running = list(snap.running)
         for seq_id, req in snap.requests_log:
             self.requests[seq_id] = req
@@ -337,7 +320,7 @@ class SchedulerV1:
             req.load(state)
         self.kv_cache_manager.restore(snap.block_manager)
         self.preempted = set(snap.preempted)
-        self._saved = self._waiting_log = self._requests_log = None
+        self._saved = self._requests_log = None
 
     def check_invariants(self) -> None:
         """Running sequences hold blocks for their computed tokens, waiting ones none, no

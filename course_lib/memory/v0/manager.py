@@ -114,22 +114,27 @@ class BlockManager:
         the free count)."""
         return sum(1 for b in blocks if self.gpu.ref_counts[b] == 0)
 
+    def _room(self, need: int, free: int | None = None) -> AllocStatus:
+        """NEVER if ``need`` blocks exceed the pool less the watermark; OK if they fit in the
+        ``free`` blocks (default: the free GPU blocks) keeping the watermark; else LATER."""
+        if need > self.num_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        free = self.num_free_gpu_blocks if free is None else free
+        return AllocStatus.OK if free - need >= self.watermark_blocks else AllocStatus.LATER
+
     def can_allocate(self, token_ids: Sequence[int] | int, extra_key: Hashable = ()) -> AllocStatus:
         """Can a prompt (token ids, or just a length) get its blocks now, later, or never?
         Given token ids and prefix caching, cached blocks count as already there. A probe:
         changes nothing."""
         num_tokens = token_ids if isinstance(token_ids, int) else len(token_ids)
         required = self._blocks_needed(num_tokens)
-        if required > self.num_gpu_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        free = self.num_free_gpu_blocks
-        if self.cache is not None and not isinstance(token_ids, int):
-            probe = BlockTable(-1, self.block_size, token_ids=list(token_ids),
-                               extra_key=typed_salt(extra_key))
-            hits, _ = self._cached_prefix(probe)
-            required -= len(hits)
-            free -= self._evictable(hits)
-        return AllocStatus.OK if free - required >= self.watermark_blocks else AllocStatus.LATER
+        status = self._room(required)
+        if status is AllocStatus.NEVER or self.cache is None or isinstance(token_ids, int):
+            return status
+        probe = BlockTable(-1, self.block_size, token_ids=list(token_ids),
+                           extra_key=typed_salt(extra_key))
+        hits, _ = self._cached_prefix(probe)
+        return self._room(required - len(hits), self.num_free_gpu_blocks - self._evictable(hits))
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = ()) -> int:
         """Give a new sequence blocks for its prompt. Returns the number of prompt tokens found
@@ -184,11 +189,7 @@ class BlockManager:
         """``can_allocate`` for a group that shares prefixes (see :meth:`allocate_group`)."""
         if len(token_lists) == 1:
             return self.can_allocate(token_lists[0], extra_key)
-        need = self.group_blocks_needed(token_lists)
-        if need > self.num_gpu_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        return AllocStatus.OK if self.num_free_gpu_blocks - need >= self.watermark_blocks \
-            else AllocStatus.LATER
+        return self._room(self.group_blocks_needed(token_lists))
 
     def allocate_group(self, seqs: Sequence[tuple[int, Sequence[int]]],
                        extra_key: Hashable = ()) -> list[tuple[int, int | None]]:
@@ -389,11 +390,7 @@ class BlockManager:
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
         """Room to swap the group in and run its next decode step, keeping the watermark?"""
-        need = self.swap_in_need(seq_ids)
-        if need > self.num_gpu_blocks - self.watermark_blocks:
-            return AllocStatus.NEVER
-        return AllocStatus.OK if self.num_free_gpu_blocks - need >= self.watermark_blocks \
-            else AllocStatus.LATER
+        return self._room(self.swap_in_need(seq_ids))
 
     def swap_in(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
         """Bring a swapped-out group back to the GPU; returns ``[(cpu_block, gpu_block)]``."""
