@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # memor
 
 import torch  # noqa: E402
 from memory_helpers import snapshot as v0_manager_state  # noqa: E402  (the V0 manager's state)
+from memory_helpers import v1_state  # noqa: E402  (a V1 or radix manager's state)
 
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.engine.llm_engine import LLMEngine  # noqa: E402
@@ -80,7 +81,6 @@ SOURCES: list[tuple[str, str, list[str] | str | None]] = [
     ("pool", "course_lib.memory.v1.block_pool", ["BlockPool", "FreeKVCacheBlockQueue"]),
     ("manager", "course_lib.memory.radix.kv_cache_manager", ["RadixKVCacheManager"]),
     ("radix tree", "course_lib.memory.radix.radix_cache", ["RadixCache"]),
-    ("radix tree", "course_lib.memory.radix.snapshot", None),
     ("pool", "course_lib.memory.radix.allocator", "*"),
     ("scheduler", "course_lib.scheduler.scheduler", ["Scheduler"]),
     ("scheduler", "course_lib.scheduler.v1", ["SchedulerV1"]),
@@ -91,6 +91,9 @@ SOURCES: list[tuple[str, str, list[str] | str | None]] = [
     ("output processing", "course_lib.engine.outputs", None),
     ("engine step", "course_lib.engine.llm_engine", ["LLMEngine"]),
     ("engine step", "course_lib.engine.rollback", None),
+    ("engine step", "course_lib.engine.rollback", ["StepTransaction"]),
+    ("engine step", "course_lib.checkpoint", None),
+    ("engine step", "course_lib.checkpoint", "*"),
     ("runner", "course_lib.engine.model_runner", ["ModelRunner"]),
     ("runner", "course_lib.kernels.cache_ops", None),
     ("runner", "course_lib.kernels.reference", None),      # the CPU backend's cache writes,
@@ -102,9 +105,10 @@ SOURCES: list[tuple[str, str, list[str] | str | None]] = [
 ]
 KINDS = ("manager", "pool", "prefix cache", "radix tree", "scheduler", "output processing",
          "engine step", "runner", "sampler", "metrics", "request")
-# The entry point itself (the harness marks the step with it), and what exists only to build
-# or be read outside a step.
-SKIP = {("LLMEngine", "step")}
+# The entry point itself (the harness marks the step with it); and how a checkpoint reads a
+# class's fields, worked out once per class and process (before any recorded step), so a
+# fault there never fires in a later run.
+SKIP = {("LLMEngine", "step"), ("_Layout", "__new__")}
 
 
 @dataclass(frozen=True)
@@ -393,34 +397,7 @@ def _manager_state(engine: LLMEngine):
     bm = engine.block_manager
     if engine.design == "v0":
         return v0_manager_state(bm)
-    # V1 and radix: every plain attribute (block objects as their ids, tree nodes as their
-    # key and value: whatever fields the manager has today), then the pool or the tree
-    fields = {k: _plain(v) for k, v in vars(bm).items()
-              if k not in ("tree", "pool", "block_pool", "hash_fn")}
-    if hasattr(bm, "block_pool"):
-        pool = bm.block_pool
-        return (fields, [(b.ref_cnt, b.block_hash) for b in pool.blocks],
-                [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-                {h: sorted(bs) for h, bs in pool.cached_block_hash_to_block.items()})
-    from course_lib.memory.radix.snapshot import canonical_state
-    return fields, canonical_state(bm.tree)
-
-
-def _plain(value):
-    """``value`` as comparable data: blocks by id, tree nodes by (key, value, lock count)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, set | frozenset):
-        return sorted(value, key=repr)
-    if hasattr(value, "block_id"):
-        return ("block", value.block_id)
-    if hasattr(value, "lock_ref") and hasattr(value, "key"):
-        return ("node", value.key, list(value.value), value.lock_ref)
-    if isinstance(value, int | float | str | bytes | bool | type(None)):
-        return value
-    return ("object", type(value).__name__)
+    return v1_state(bm)
 
 
 def _content(engine: LLMEngine) -> list[torch.Tensor]:

@@ -220,6 +220,10 @@ class Sequence:
     cumulative_logprob: float = 0.0
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # top-k each
 
+    # a step only appends to these: a failed step's checkpoint saves their lengths
+    # (course_lib/checkpoint.py), not their items
+    __rollback_append_only__ = ("output_token_ids", "output_logprobs")
+
     @property
     def token_ids(self) -> list[int]:
         return [*self.prompt_token_ids, *self.output_token_ids]
@@ -249,19 +253,6 @@ class Sequence:
         return Sequence(seq_id, self.prompt_token_ids, index, list(self.output_token_ids),
                         self.status, self.num_computed_tokens, self.cumulative_logprob,
                         list(self.output_logprobs))
-
-    def save(self) -> tuple:
-        """What a step may change, for :meth:`load` (a failed step is undone). The output
-        lists are only appended to, so their lengths are enough."""
-        return (self.status, self.num_computed_tokens, self.output_token_ids,
-                len(self.output_token_ids), self.output_logprobs, len(self.output_logprobs),
-                self.cumulative_logprob)
-
-    def load(self, state: tuple) -> None:
-        (self.status, self.num_computed_tokens, outs, n, tops, k,
-         self.cumulative_logprob) = state
-        del outs[n:], tops[k:]
-        self.output_token_ids, self.output_logprobs = outs, tops
 
 
 @dataclass(eq=False)
@@ -312,21 +303,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return max((len(s.output_token_ids) for s in self.seqs), default=0)
-
-    def save(self) -> tuple:
-        """What a step may change in the request and its sequences, for :meth:`load`."""
-        return (list(self.seqs), [(s, s.save()) for s in self.seqs], self.first_scheduled_time,
-                self.first_token_time, self.finished_time, self.finish_reason,
-                self.finish_detail, self.num_preemptions, self.num_cached_tokens)
-
-    def load(self, state: tuple) -> None:
-        seqs, saved, *fields = state
-        self.seqs = list(seqs)
-        for seq, seq_state in saved:
-            seq.load(seq_state)
-        (self.first_scheduled_time, self.first_token_time, self.finished_time,
-         self.finish_reason, self.finish_detail, self.num_preemptions,
-         self.num_cached_tokens) = fields
 
     def ordered_seqs(self) -> list[Sequence]:
         """The sequences to report: by sample index, or the kept beams, best first."""

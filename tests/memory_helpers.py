@@ -21,3 +21,87 @@ def snapshot(m: BlockManager):
         cache = ({b: (m.cache.key_of(b), m.cache.identity(b)) for b in m.cache.cached_block_ids()},
                  m.cache.num_collisions)
     return pools, tables, cache, m.prefix_cache_stats
+
+
+def canonical_state(tree) -> tuple:
+    """A tree's cached blocks as data: (namespace, the tokens up to the block's end, block id,
+    lock count, last access) per block, and the free list in order; equal for equal caches,
+    however their edges happen to be split."""
+    bs, pages = tree.page_size, []
+    for n in tree.nodes():
+        prefix: tuple = ()
+        node = n.parent
+        while node is not tree.root:
+            prefix = node.key + prefix
+            node = node.parent
+        for i in range(0, len(n.value), bs):
+            pages.append((n.extra_key, prefix + n.key[:i + bs], n.value[i] // bs, n.lock_ref,
+                          n.last_access_time))
+    return tuple(sorted(pages, key=repr)), tuple(tree.pool.free_blocks)
+
+
+def v1_state(bm):
+    """A V1 or radix manager's state, read through its fields and public structures, never
+    through its own saving: every plain attribute (block objects as their ids, tree nodes as
+    their key and value: whatever fields the manager has today), then the pool or the tree."""
+    # V1 and radix: every plain attribute (block objects as their ids, tree nodes as their
+    # key and value: whatever fields the manager has today), then the pool or the tree
+    fields = {k: _plain(v) for k, v in vars(bm).items()
+              if k not in ("tree", "pool", "block_pool", "hash_fn")}
+    if hasattr(bm, "block_pool"):
+        pool = bm.block_pool
+        return (fields, [(b.ref_cnt, b.block_hash) for b in pool.blocks],
+                [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+                {h: sorted(bs) for h, bs in pool.cached_block_hash_to_block.items()})
+    return fields, canonical_state(bm.tree)
+
+
+
+
+def _plain(value):
+    """``value`` as comparable data: blocks by id, tree nodes by (key, value, lock count)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
+    if hasattr(value, "block_id"):
+        return ("block", value.block_id)
+    if hasattr(value, "lock_ref") and hasattr(value, "key"):
+        return ("node", value.key, list(value.value), value.lock_ref)
+    if isinstance(value, int | float | str | bytes | bool | type(None)):
+        return value
+    return ("object", type(value).__name__)
+
+
+def checkpoint(manager):
+    """A checkpoint of everything a step may change in ``manager`` (as the engine's step
+    takes it): ``rollback()`` puts the manager back."""
+    from course_lib.checkpoint import Checkpoint
+    from course_lib.engine.rollback import begin_manager
+
+    ckpt = Checkpoint()
+    begin_manager(ckpt, manager)
+    return ckpt
+
+
+def scheduler_checkpoint(scheduler):
+    """A checkpoint of a scheduler and its KV-cache manager, begun as a step begins it."""
+    from course_lib.checkpoint import Checkpoint
+    from course_lib.engine.rollback import begin_manager
+
+    ckpt = Checkpoint()
+    scheduler.begin(ckpt)
+    begin_manager(ckpt, scheduler.block_manager)
+    return ckpt
+
+
+def pool_state(manager):
+    """A V1 or radix manager's pool (or tree), without its per-sequence maps."""
+    return v1_state(manager)[1:]
+
+
+def tables(manager):
+    """Every sequence's block ids."""
+    return {s: list(manager.get_block_table(s)) for s in manager.seq_ids()}

@@ -546,8 +546,51 @@ def test_abort_from_another_thread_mid_step_takes_effect_after_the_step(model, m
     assert not engine._requests and not engine._seeds
 
 
-def test_a_step_transaction_is_closed_once():
-    txn = rollback.StepTransaction(None, (0, 0))
-    txn.close()
-    with pytest.raises(RuntimeError, match="already committed or rolled back"):
-        txn.close()
+def test_a_step_transaction_is_closed_once(model):
+    engine = LLMEngine(model, cache_config=CacheConfig(block_size=4, num_gpu_blocks=16))
+    for end in ("commit", "rollback"):
+        txn = engine._begin()
+        getattr(txn, end)()
+        for again in ("commit", "rollback"):
+            with pytest.raises(RuntimeError, match="already committed or rolled back"):
+                getattr(txn, again)()
+        with pytest.raises(RuntimeError, match="already committed or rolled back"):
+            txn.checkpoint.touch(engine.scheduler)
+
+
+def test_a_cache_that_cannot_be_put_back_stops_the_engine(model, monkeypatch):
+    """A failed step whose blocks at risk cannot be copied back (the copy fails too) must
+    not go on with K/V that may be wrong: that step and every later one raise
+    ``RollbackFailed``; without the guard the engine would step on (checked first)."""
+    real_put_back, real_at_risk = rollback.put_back, llm_engine.blocks_at_risk
+
+    def failing_run(guard: bool):
+        engine = LLMEngine(model, cache_config=CacheConfig(block_size=4, num_gpu_blocks=64))
+        engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
+        engine.step()
+        real_forward = engine.runner.execute_model
+        monkeypatch.setattr(llm_engine, "blocks_at_risk", lambda *a: ([0], []))  # at risk
+        monkeypatch.setattr(engine.runner, "execute_model",
+                            lambda *a: (_ for _ in ()).throw(RuntimeError("device fault")))
+        monkeypatch.setattr(rollback, "put_back",
+                            (lambda *a: (_ for _ in ()).throw(RuntimeError("copy failed")))
+                            if guard else (lambda *a: None))
+        try:
+            engine.step()
+        except Exception as exc:
+            first = exc
+        else:
+            first = None
+        monkeypatch.setattr(engine.runner, "execute_model", real_forward)
+        monkeypatch.setattr(rollback, "put_back", real_put_back)
+        monkeypatch.setattr(llm_engine, "blocks_at_risk", real_at_risk)
+        return engine, first
+
+    engine, first = failing_run(guard=False)                      # the copy "succeeds"
+    assert not isinstance(first, rollback.RollbackFailed)
+    engine.step()                                                # and the engine goes on
+    engine, first = failing_run(guard=True)
+    assert isinstance(first, rollback.RollbackFailed), first
+    with pytest.raises(rollback.RollbackFailed, match="takes no more steps"):
+        engine.step()
+    engine.check_invariants()                    # the bookkeeping was put back all the same

@@ -32,14 +32,13 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from course_lib.checkpoint import Checkpoint
 from course_lib.engine import llm_engine, rollback
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.rollback import StepFailed
 from course_lib.memory.v0.fast import FastBlockManager
 from course_lib.memory.v1.block_pool import FreeKVCacheBlockQueue
 from course_lib.model.loader import load_tiny_model
-from course_lib.scheduler.scheduler import Scheduler
-from course_lib.scheduler.v1 import SchedulerV1
 from course_lib.sequence import SamplingParams
 
 
@@ -161,7 +160,8 @@ def test_the_steps_reach_their_core_sites(model, sites, recorded):
     never = sorted(set(unreached) - failing)
     print(f"\n{len(sites)} sites; {len(only)} reached only when a step fails: {', '.join(only)}"
           f"\n{len(never)} never reached by a step: {', '.join(never)}")
-    assert {"LLMEngine._rollback", "Scheduler.restore", "SchedulerV1.restore"} <= set(only)
+    assert {"LLMEngine._rollback", "StepTransaction.rollback", "Checkpoint.rollback",
+                "checkpoint.load_fields"} <= set(only)
     assert "LLMEngine.add_request" in never and "Scheduler.add_request" in never
 
 
@@ -217,8 +217,9 @@ class StaleBackup:
     """The old engine's bug, simulated whatever the engine does today: a step that fails
     before it backs up its blocks puts the *previous* step's backup back into the KV cache
     (the old engine never cleared ``_backup``). Implemented around the names the engine
-    calls: ``llm_engine.back_up`` remembers each backup, and after the scheduler's
-    ``restore`` (every rollback calls it) a step that took none yet puts back the last one."""
+    calls: ``llm_engine.back_up`` remembers each backup, and after the checkpoint's
+    ``rollback`` (every failed step calls it) a step that took none yet puts back the last
+    one."""
 
     def __init__(self, monkeypatch) -> None:
         self.last = None                 # the last backup taken, until a rollback clears it
@@ -240,12 +241,11 @@ class StaleBackup:
 
         monkeypatch.setattr(llm_engine, "back_up", back_up)
         monkeypatch.setattr(LLMEngine, "step", step)
-        for cls in (Scheduler, SchedulerV1):
-            monkeypatch.setattr(cls, "restore", self._restore(vars(cls)["restore"]))
+        monkeypatch.setattr(Checkpoint, "rollback", self._restore(vars(Checkpoint)["rollback"]))
 
     def _restore(self, real):
-        def restore(sched, snap):
-            real(sched, snap)
+        def restore(ckpt):
+            real(ckpt)
             if self.last is not None and not self.taken:
                 r = self.engine.runner
                 rollback.put_back(r.gpu_caches, r.cpu_caches, self.last)

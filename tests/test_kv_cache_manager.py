@@ -9,6 +9,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from memory_helpers import checkpoint, pool_state
 
 from course_lib.memory.v1.block_pool import (
     HASH_FUNCTIONS,
@@ -162,12 +163,12 @@ def test_equal_blocks_are_not_merged_and_allocation_evicts_from_the_front():
 def test_allocate_slots_answers_none_when_short_and_changes_nothing():
     m = KVCacheManager(BS, 3, watermark=0.34)          # 1 block held back from admissions
     admit(m, 0, toks(8))
-    before = m.snapshot()
+    ckpt, before = checkpoint(m), pool_state(m)
     hits, _ = m.get_computed_blocks(1, toks(5, 50))
     assert m.allocate_slots(1, toks(5, 50), 0, 5, hits, admission=True) is None
     assert m.allocate_slots(0, toks(9), 8, 1) == [0, 1, 2]   # a running one may use it
-    m.restore(before)
-    assert m.snapshot().pool == before.pool and m.get_block_table(0) == [0, 1]
+    ckpt.rollback()
+    assert pool_state(m) == before and m.get_block_table(0) == [0, 1]
     with pytest.raises(ValueError, match="num_new_tokens"):
         m.allocate_slots(0, toks(9), 8, 0)
     with pytest.raises(ValueError, match="tokens to hold"):
@@ -233,14 +234,14 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         tokens = list(prefix[:cut]) + suffix
         if not tokens:
             return
-        seq_id, before = self.next_id, self.m.snapshot()
+        seq_id, before = self.next_id, pool_state(self.m)
         self.next_id += 1
         hits, num_hit = self.m.get_computed_blocks(seq_id, tokens)
         num_new = min(chunk, len(tokens) - num_hit)
         ids = self.m.allocate_slots(seq_id, tokens, 0, num_new, hits, admission=True)
         if ids is None:
             self.m.forget(seq_id)
-            assert self.m.snapshot().pool == before.pool, "a refused allocation changed state"
+            assert pool_state(self.m) == before, "a refused allocation changed state"
             return
         self.seqs[seq_id] = [tokens, num_hit]
         assert self.read_ok(seq_id, num_hit), "a hit reads another prefix"

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1] / "course_lib"
 LAYERS: list[set[str]] = [
     {"sizing"},                             # units, model specs, model-free block counting
     {"device", "capacity"},                 # facts about the machine and the models
-    {"config", "sequence", "envcheck"},     # plain data everyone shares | chapter 00's check
+    {"config", "sequence", "envcheck", "checkpoint"},   # plain data everyone shares |
+                                            # chapter 00's check | a step's undo
     {"memory"},                             # block tables, pools, prefix cache, BlockManager
     {"scheduler"},                          # batching, preemption, output processing, metrics
     {"sim", "kernels"},                     # model-free simulation | torch / Triton kernels
@@ -36,7 +37,8 @@ LAYERS: list[set[str]] = [
     {"exercises"},                          # checkers for the chapters' exercises
     {"__main__"},                           # the command line
 ]
-TORCH_FREE = {"sizing", "capacity", "config", "sequence", "memory", "scheduler", "sim", "claims"}
+TORCH_FREE = {"sizing", "capacity", "config", "sequence", "checkpoint", "memory", "scheduler",
+              "sim", "claims"}
 HEAVY = {"torch", "triton"}
 MAX_ROOT_MODULES = 7
 

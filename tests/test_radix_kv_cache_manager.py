@@ -10,6 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
+from memory_helpers import checkpoint, pool_state, scheduler_checkpoint, tables, v1_state
 from test_kv_cache_manager import KVCacheManagerMachine
 
 from course_lib.config import CacheConfig, SchedulerConfig
@@ -183,18 +184,18 @@ def test_a_decoded_block_duplicating_the_tree_is_switched_too():
     m.check_invariants()
 
 
-def test_cache_computed_checks_first_and_a_restored_snapshot_undoes_it():
+def test_cache_computed_checks_first_and_a_rollback_undoes_it():
     m = RadixKVCacheManager(BS, 8)
     admit(m, 0, toks(9))
     admit(m, 1, toks(9, 40), run=False)
-    before = m.snapshot()
+    ckpt, before = checkpoint(m), v1_state(m)
     with pytest.raises(ValueError, match="computed tokens"):
         m.cache_computed(1, toks(9, 40), 10)
-    assert m.snapshot().pool == before.pool and m.snapshot().tables == before.tables
+    assert v1_state(m) == before
     m.cache_computed(1, toks(9, 40), 9)
-    m.restore(before)                                  # the step failed after its update
-    assert m.snapshot().pool == before.pool and m.snapshot().tables == before.tables
-    assert m.snapshot().per_seq == before.per_seq
+    assert v1_state(m) != before
+    ckpt.rollback()                                    # the step failed after its update
+    assert v1_state(m) == before
     m.check_invariants()
     m.cache_computed(0, toks(9), 9)                    # nothing new: a no-op
     m.cache_computed(7, toks(9), 9)                    # no blocks: a no-op
@@ -207,10 +208,10 @@ def test_cache_computed_checks_first_and_a_restored_snapshot_undoes_it():
 def test_allocate_slots_answers_none_when_short_and_changes_nothing():
     m = RadixKVCacheManager(BS, 4)
     admit(m, 0, toks(12))
-    before = m.snapshot()
+    before = pool_state(m), tables(m)
     hits, n = m.get_computed_blocks(1, toks(9, 40))
     assert m.allocate_slots(1, toks(9, 40), 0, 9, hits, admission=True) is None
-    assert m.snapshot().pool == before.pool and m.snapshot().tables == before.tables
+    assert (pool_state(m), tables(m)) == before
     with pytest.raises(ValueError, match="tokens to hold"):
         m.allocate_slots(0, toks(12), 12, 1)
     with pytest.raises(ValueError, match="not the cached prefix"):
@@ -218,15 +219,15 @@ def test_allocate_slots_answers_none_when_short_and_changes_nothing():
     m.check_invariants()
 
 
-def test_snapshot_restore_and_reset_and_the_detector_trips():
+def test_rollback_and_reset_and_the_detector_trips():
     m = RadixKVCacheManager(BS, 8)
     admit(m, 0, toks(9))
-    snap = m.snapshot()
+    ckpt, before = checkpoint(m), v1_state(m)
     admit(m, 1, toks(9))
     m.free(0)
-    assert m.snapshot().pool != snap.pool
-    m.restore(snap)
-    assert m.snapshot().pool == snap.pool and m.seq_ids() == [0]
+    assert pool_state(m) != before[1:]
+    ckpt.rollback()
+    assert v1_state(m) == before and m.seq_ids() == [0]
     m.check_invariants()
     assert m.reset_prefix_cache() is False
     m.forget(0)
@@ -256,15 +257,15 @@ def test_the_v1_scheduler_switches_after_the_step_and_a_restore_undoes_it():
     for i in range(2):
         s.add_request(i, toks(9), SamplingParams(max_tokens=4, temperature=0.0))
     kvm = s.kv_cache_manager
-    snap = s.snapshot()
-    before = kvm.snapshot()
+    ckpt = scheduler_checkpoint(s)
+    before = pool_state(kvm), tables(kvm)
     out = s.schedule()
     assert [e.block_ids for e in out.scheduled] == [[0, 1, 2], [3, 4, 5]]
     s.update(out, {e.seq.seq_id: [(7, 0.0)] for e in out.scheduled})
     assert kvm.get_block_table(1) == [0, 1, 5] and kvm.pool.num_free_blocks == 4
     s.check_invariants()
-    s.restore(snap)
-    assert kvm.snapshot().pool == before.pool and kvm.snapshot().tables == before.tables
+    ckpt.rollback()
+    assert (pool_state(kvm), tables(kvm)) == before
     out = s.schedule()
     s.update(out, {e.seq.seq_id: [(7, 0.0)] for e in out.scheduled})
     out = s.schedule()                                 # the decode step reads the tree's

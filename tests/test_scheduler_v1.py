@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from memory_helpers import scheduler_checkpoint
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.scheduler.scheduler import Scheduler
@@ -128,14 +129,14 @@ def test_v0_and_v1_give_the_same_tokens_on_the_same_trace():
     assert results[0] == results[1]
 
 
-def test_snapshot_restore_and_abort():
+def test_checkpoint_rollback_and_abort():
     s = make(block_size=4, num_gpu_blocks=16)
     req = s.add_request(0, list(range(1, 10)), SamplingParams(max_tokens=8, n=2))
     s.update(out := s.schedule(), fake_samples(out))
-    snap = s.snapshot()
+    ckpt = scheduler_checkpoint(s)
     tables = [s.kv_cache_manager.get_block_table(q.seq_id) for q in req.seqs]
     s.update(out := s.schedule(), fake_samples(out))
-    s.restore(snap)
+    ckpt.rollback()
     s.check_invariants()
     assert [s.kv_cache_manager.get_block_table(q.seq_id) for q in req.seqs] == tables
     assert [len(q.output_token_ids) for q in req.seqs] == [1, 1]

@@ -54,7 +54,14 @@ from .inputs import check_request_id, generate_inputs, prompt_token_ids, request
 from .logprobs import attach_logprobs, top_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
-from .rollback import StepFailed, StepTransaction, back_up, blocks_at_risk, put_back
+from .rollback import (
+    RollbackFailed,
+    StepFailed,
+    StepTransaction,
+    back_up,
+    blocks_at_risk,
+    blocks_before,
+)
 from .sampler import sample
 
 # ``_sample_twice`` and ``_protect`` call ``sample`` and ``blocks_at_risk`` by this module's
@@ -122,6 +129,7 @@ class LLMEngine:
         self._requests: dict[int, Request] = {}
         self.last_output: SchedulerOutput | None = None
         self.num_steps = 0
+        self._broken: RollbackFailed | None = None     # a failed step could not be undone
         self._lock = threading.RLock()       # a step, and requests coming in or aborted
 
     def _check_block_size(self) -> None:
@@ -184,13 +192,21 @@ class LLMEngine:
         """Stop a request wherever it is and free its blocks; False if it is not here. Safe
         from another thread: it waits for a running step to end, then takes effect."""
         with self._lock:
-            done = self.scheduler.abort_request(request_id)
-            req = self._requests.pop(request_id, None)
+            txn = None
+            try:                                   # all or nothing, as a step
+                txn = self._begin()
+                done = self.scheduler.abort_request(request_id)
+                req = self._requests.get(request_id)
+                if req is not None:
+                    self.metrics.forget(req)
+                    if done:
+                        req.finished_time = self.now()
+                txn.commit()
+            except BaseException:
+                self._rollback(txn)
+                raise
+            self._requests.pop(request_id, None)
             self._seeds.pop(request_id, None)
-            if req is not None:
-                self.metrics.forget(req)
-                if done:
-                    req.finished_time = self.now()
             return done
 
     def has_unfinished_requests(self) -> bool:
@@ -208,6 +224,8 @@ class LLMEngine:
         ``add_request`` and ``abort_request`` called from another thread while a step runs
         wait for it to end (one lock): a request is never changed under a running step."""
         with self._lock:
+            if self._broken is not None:
+                raise self._broken
             txn = None
             try:
                 txn = self._begin()
@@ -228,18 +246,16 @@ class LLMEngine:
                 self._requests.pop(req.request_id, None)
                 self._seeds.pop(req.request_id, None)
             self.num_steps += 1
-            self.last_output, txn.scheduler, txn.backup = txn.last_output, None, None
+            self.last_output = txn.last_output
             return outputs
 
     def _begin(self) -> StepTransaction:
-        """What this step may change, saved before it changes anything: the scheduler's
-        bookkeeping (its queues and counters, the requests it runs, the block manager), the
-        runner's counters; the metrics hold their changes until commit. The engine's request
-        maps and step counter only change after the commit, and the cache blocks at risk are
-        added once the schedule is known (:meth:`_protect`)."""
-        txn = StepTransaction(self.scheduler.snapshot(), self.runner.counters())
-        self.metrics.begin()
-        return txn
+        """Begin this step's transaction: what the step may change is saved before it changes
+        anything (the scheduler, its running requests, the KV-cache manager, the runner; the
+        metrics hold their changes until commit). The engine's request maps and step counter
+        only change after the commit, and the cache blocks at risk are added once the
+        schedule is known (:meth:`_protect`)."""
+        return StepTransaction(self.scheduler, self.runner, self.metrics)
 
     def _step(self, txn: StepTransaction) -> tuple[list[Request], list[RequestOutput]]:
         """Every fallible part of a step, in order, ending with the commit of what the
@@ -267,8 +283,7 @@ class LLMEngine:
         self.metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
         self.metrics.observe_finished(finished)
         txn.last_output = out
-        sched.commit()                              # the commit: the scheduler, then metrics
-        self.metrics.commit()
+        txn.commit()
         return finished, outputs
 
     def _sample_twice(self, entry: ScheduledSeq, logits) -> list[tuple[int, float]]:
@@ -282,27 +297,24 @@ class LLMEngine:
 
     def _protect(self, out: SchedulerOutput, txn: StepTransaction) -> None:
         """Copy the cache blocks this step overwrites whose contents mattered at its start."""
-        gpu, cpu = blocks_at_risk(out, txn.scheduler.block_manager,
-                                  self.block_manager.block_size)
+        before = blocks_before(txn.checkpoint, self.block_manager)
+        gpu, cpu = blocks_at_risk(out, before, self.block_manager.block_size)
         txn.backup = back_up(self.runner.gpu_caches, self.runner.cpu_caches, gpu, cpu)
 
     # ---------------------------------------------------------------- after a failed step
     # ``step`` catches the failure and calls these in this order: put everything back, find
     # the request to blame, finish that request alone.
     def _rollback(self, txn: StepTransaction | None) -> None:
-        """Put the scheduler, the runner's counters and the blocks at risk back as they were
-        when ``txn`` began, and drop the metrics' held changes; the transaction is then closed
-        (it cannot be put back twice). ``None``: the step failed while beginning its
-        transaction, before it changed anything: only what beginning started is dropped."""
-        self.metrics.discard()
-        if txn is None:
-            self.scheduler.commit()                 # stop saving: nothing to put back
+        """Put back everything ``txn`` holds (``None``: the step failed while beginning its
+        transaction, which then changed nothing and closed itself). If the engine cannot be
+        put back, it takes no more steps (``RollbackFailed``)."""
+        if txn is None or txn.closed:
             return
-        self.scheduler.restore(txn.scheduler)
-        self.runner.set_counters(txn.runner_counters)
-        if txn.backup is not None:
-            put_back(self.runner.gpu_caches, self.runner.cpu_caches, txn.backup)
-        txn.close()
+        try:
+            txn.rollback()
+        except RollbackFailed as exc:
+            self._broken = exc
+            raise
 
     def _diagnose(self) -> tuple[int, BaseException] | None:
         """After a failed step (already rolled back): run it again with one forward per
@@ -310,8 +322,9 @@ class LLMEngine:
         alone, twice (a transient fault rarely strikes twice), while another one's succeeds;
         if every forward fails (the device, not a request) or all succeed (a transient
         fault), nobody is. The state is rolled back again whatever happens."""
-        txn = self._begin()
+        txn = None
         try:
+            txn = self._begin()
             out = self.scheduler.schedule()
             self._protect(out, txn)
             self.runner.execute_cache_ops(out)
@@ -344,7 +357,7 @@ class LLMEngine:
         txn = None
         try:
             txn = self._begin()
-            self.scheduler.touch(req)               # saved even if it waits
+            self.scheduler.save_request(req)        # saved even if it waits
             if not self.scheduler.finish_request(
                     request_id, SequenceStatus.FINISHED_ERROR,
                     f"failed in step {self.num_steps}: {type(cause).__name__}: {cause}"):
@@ -354,8 +367,7 @@ class LLMEngine:
             output = request_output(req, self.tokenizer)
             self.metrics.forget(req)
             self.metrics.update(self.scheduler)
-            self.scheduler.commit()
-            self.metrics.commit()
+            txn.commit()
         except Exception as exc:
             self._rollback(txn)
             raise StepFailed(f"request {request_id} failed in step {self.num_steps} "

@@ -59,11 +59,9 @@ class ModelRunner:
         self.num_copied_blocks = 0        # copy-on-write copies
 
     def counters(self) -> tuple[int, int]:
-        """(blocks swapped, blocks copied) so far: what a failed step puts back."""
+        """(blocks swapped, blocks copied) so far (a failed step puts them back, with the
+        runner's other fields: ``engine/rollback.py``)."""
         return self.num_swapped_blocks, self.num_copied_blocks
-
-    def set_counters(self, counters: tuple[int, int]) -> None:
-        self.num_swapped_blocks, self.num_copied_blocks = counters
 
     @property
     def kv_bytes_per_block(self) -> int:

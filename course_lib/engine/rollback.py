@@ -1,39 +1,55 @@
-"""All or nothing: what ``LLMEngine.step`` saves before a step and puts back if it fails.
+"""All or nothing: the one transaction that owns what ``LLMEngine.step`` changes.
 
-A step mutates three kinds of state: the bookkeeping (scheduler queues, requests, sequences,
-block tables, pools, prefix cache, counters), the contents of the KV-cache tensors, and the
-metrics. The mechanism:
+A step changes three kinds of state: the bookkeeping (scheduler queues and counters, requests,
+sequences, block tables, pools, prefix cache or radix tree, the runner's counters), the
+contents of the KV-cache tensors, and the metrics. One :class:`StepTransaction`, begun at the
+top of ``LLMEngine.step`` and committed at its end or rolled back, owns all of it:
 
-* **Bookkeeping: a snapshot.** ``Scheduler.snapshot()`` (which includes
-  ``BlockManager.snapshot()``) copies it before the step; ``restore`` puts it back. O(blocks +
-  tokens held) per step, small beside a forward pass; plain and hard to get wrong, where an
-  undo log would have to mirror every mutation of every class.
+* **Bookkeeping: one checkpoint** (:class:`~course_lib.checkpoint.Checkpoint`): the fields of
+  every object the step may change, saved when it first touches them and put back on failure,
+  whatever fields the classes have (no ``snapshot()`` / ``restore()`` pair per class). What
+  a step may change is listed here, once per design (:func:`manager_parts`; V1's block pool
+  saves each block itself just before it first changes it, so a step pays for the blocks it
+  touches, not for the pool); the scheduler
+  adds the requests it touches (``Scheduler.begin``), and the waiting queue logs its moves
+  instead of being copied. The cost: the running requests and the manager's own state, never
+  the waiting queue.
 * **Tensors: only the blocks at risk.** Most writes of a step land where nothing lived
-  before it: new tokens' slots past a sequence's old end, blocks that were on the free stack.
-  Those need no undo: after a rollback nothing points at them. A write is at risk only when a
-  block allocated in this step held something at its start: a cached block evicted for the
-  step, or a block freed by a preemption and handed out again in the same step. Those blocks
-  (:func:`blocks_at_risk`) are copied before the cache operations run and copied back on
-  failure.
-* **Metrics** are updated last, once everything fallible before them has succeeded; the
-  engine's own maps (its requests, their seeds) and its step counter change only at commit.
+  before it: new tokens' slots past a sequence's old end, blocks that were free. Those need no
+  undo: after a rollback nothing points at them. A write is at risk only when a block written
+  in this step held something at its start: a cached block evicted for the step, or a block
+  freed by a preemption and handed out again in the same step. Those blocks
+  (:func:`blocks_at_risk`, from what the checkpoint saved) are copied before the cache
+  operations run and copied back on failure.
+* **Metrics** hold their changes until the commit (``Metrics.begin`` / ``commit`` /
+  ``discard``): their collectors are ``prometheus_client`` objects, not plain fields to copy.
+  The engine's own maps (its requests, their seeds) and its step counter change only after
+  the commit.
 
-All of it belongs to one :class:`StepTransaction`, begun at the top of ``LLMEngine.step`` and
-committed at its end or rolled back on failure, then closed: a step can never put back what
-an earlier step saved. The step then either completes or raises with everything as it was;
-the engine decides whom to blame (see ``LLMEngine.step``).
+A transaction is committed or rolled back exactly once, then closed: a step can never put back
+what an earlier step saved.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..checkpoint import Checkpoint
 from ..memory.common import FREE
-from ..memory.v0.manager import ManagerSnapshot
+from ..memory.radix.kv_cache_manager import RadixKVCacheManager
+from ..memory.v0.manager import BlockManager
+from ..memory.v1.block_pool import KVCacheBlock
+from ..memory.v1.kv_cache_manager import KVCacheManager
 from ..scheduler.output import SchedulerOutput
-from ..scheduler.scheduler import SchedulerSnapshot
+
+if TYPE_CHECKING:
+    from ..scheduler.metrics import Metrics
+    from ..scheduler.scheduler import Scheduler
+    from ..scheduler.v1 import SchedulerV1
+    from .model_runner import ModelRunner
 
 
 class StepFailed(RuntimeError):
@@ -41,29 +57,78 @@ class StepFailed(RuntimeError):
     exactly as it was before the step: call ``step()`` again (a transient fault) or stop."""
 
 
-class StepTransaction:
-    """Everything one step may change, saved when the step begins (``LLMEngine._begin``):
-    the scheduler's snapshot (its queues and counters, the requests it runs or touches, the
-    block manager), the runner's counters, and the cache blocks at risk (``backup``, set once
-    the schedule is known). Committed or rolled back exactly once, then closed: a later step
-    begins its own, so nothing of an earlier step can ever be put back."""
-
-    def __init__(self, scheduler: SchedulerSnapshot, runner_counters: tuple[int, int]) -> None:
-        self.scheduler = scheduler
-        self.runner_counters = runner_counters
-        self.backup: CacheBackup | None = None      # the blocks at risk, once known
-        self.last_output: SchedulerOutput | None = None
-        self.closed = False
-
-    def close(self) -> None:
-        """Drop what was saved (committed, or put back)."""
-        if self.closed:
-            raise RuntimeError("this step's transaction was already committed or rolled back")
-        self.closed = True
-        self.scheduler = self.backup = None
+class RollbackFailed(RuntimeError):
+    """A failed step could not be put back (a second failure while putting it back, twice,
+    or the copy of the blocks at risk into the KV cache failed). Some bookkeeping or cached
+    K/V may be wrong: the engine refuses further steps rather than produce wrong tokens.
+    Create a new engine."""
 
 
-def blocks_at_risk(out: SchedulerOutput, before: ManagerSnapshot,
+# ------------------------------------------------------------ what a step may change, by design
+def manager_parts(manager: object) -> tuple[list[object], list[object], tuple[type, ...]]:
+    """The objects of a KV-cache manager a step may change, by design: (objects saved when
+    the step begins, alike objects saved at begin in one pass (``Checkpoint.touch_many``),
+    classes whose objects the manager saves itself just before it first changes them). A
+    field a class gains is saved without a change here; a new *object* a manager comes to own
+    must be listed here (``tests/test_checkpoint.py`` checks it)."""
+    if isinstance(manager, BlockManager):        # V0 (and its twin, FastBlockManager)
+        parts = [manager, manager.gpu, manager.cpu]
+        if manager.cache is not None:
+            parts.append(manager.cache)
+        return parts + [manager.get_table(s) for s in manager.seq_ids()], [], ()
+    if isinstance(manager, KVCacheManager):      # vLLM V1: the pool saves the blocks it changes
+        pool = manager.block_pool
+        return [manager, pool, pool.free_block_queue], [], (KVCacheBlock,)
+    if isinstance(manager, RadixKVCacheManager):  # SGLang: the tree's nodes
+        tree = manager.tree
+        return [manager, manager.pool, tree, tree.root, *tree.nodes()], [], ()
+    raise TypeError(f"no rollback parts known for a {type(manager).__name__}")
+
+
+def begin_manager(checkpoint: Checkpoint, manager: object) -> None:
+    """Save what a step may change in ``manager`` (:func:`manager_parts`) into ``checkpoint``,
+    and hand the checkpoint to the parts that save what they change themselves."""
+    objects, alike, _ = manager_parts(manager)
+    checkpoint.touch(*objects)
+    checkpoint.touch_many(alike)
+    if isinstance(manager, KVCacheManager):
+        manager.block_pool.attach(checkpoint)
+
+
+class BlocksBefore(NamedTuple):
+    """What the blocks were when the step began, as :func:`blocks_at_risk` needs it."""
+    tables: dict[int, tuple[str, list[int]]]   # seq_id -> (device, block ids)
+    gpu_mattered: Callable[[int], bool]         # held or cached then: its contents matter
+    cpu_mattered: Callable[[int], bool]
+
+
+def blocks_before(checkpoint: Checkpoint, manager: object) -> BlocksBefore:
+    """The block tables and block states at the start of the step, from what ``checkpoint``
+    saved (one entry per design, as :func:`manager_parts`)."""
+    if isinstance(manager, BlockManager):
+        tables = {s: (checkpoint.saved(t, "device"), checkpoint.saved(t, "blocks"))
+                  for s, t in checkpoint.saved(manager, "_tables").items()}
+        gpu = checkpoint.saved(manager.gpu, "_state")
+        cpu = checkpoint.saved(manager.cpu, "_state")
+        return BlocksBefore(tables, lambda b: gpu[b] != FREE, lambda b: cpu[b] != FREE)
+    if isinstance(manager, KVCacheManager):
+        tables = {s: ("gpu", [b.block_id for b in blocks])
+                  for s, blocks in checkpoint.saved(manager, "req_to_blocks").items()}
+        blocks = manager.block_pool.blocks
+
+        def mattered(b: int) -> bool:
+            return checkpoint.at_start(blocks[b], "ref_cnt") > 0 \
+                or checkpoint.at_start(blocks[b], "block_hash") is not None
+        return BlocksBefore(tables, mattered, lambda b: False)
+    if isinstance(manager, RadixKVCacheManager):
+        tables = {s: ("gpu", blocks)
+                  for s, blocks in checkpoint.saved(manager, "req_to_blocks").items()}
+        is_free = checkpoint.saved(manager.pool, "_is_free")
+        return BlocksBefore(tables, lambda b: not is_free[b], lambda b: False)
+    raise TypeError(f"no rollback parts known for a {type(manager).__name__}")
+
+
+def blocks_at_risk(out: SchedulerOutput, before: BlocksBefore,
                    block_size: int) -> tuple[list[int], list[int]]:
     """(GPU blocks, CPU blocks) this step writes whose contents mattered when it started:
     destinations of copy-on-write copies and swaps, and blocks the forward writes new tokens'
@@ -73,14 +138,76 @@ def blocks_at_risk(out: SchedulerOutput, before: ManagerSnapshot,
     for e in out.scheduled:
         ctx = e.seq.num_computed_tokens              # before update() advances it
         first, last = ctx // block_size, (ctx + e.num_tokens - 1) // block_size
-        own = before.tables.get(e.seq.seq_id)
-        mine = set(own.blocks) if own is not None and own.device == "gpu" else set()
+        device, own = before.tables.get(e.seq.seq_id, (None, ()))
+        mine = set(own) if device == "gpu" else set()
         gpu.update(b for b in e.block_ids[first:last + 1] if b not in mine)
     cpu = {dst for _, dst in out.blocks_to_swap_out}
-    return (sorted(b for b in gpu if before.gpu.state[b] != FREE),
-            sorted(b for b in cpu if before.cpu.state[b] != FREE))
+    return (sorted(b for b in gpu if before.gpu_mattered(b)),
+            sorted(b for b in cpu if before.cpu_mattered(b)))
 
 
+# --------------------------------------------------------------------------- the transaction
+class StepTransaction:
+    """Everything one step may change: the checkpoint of the scheduler, its requests, the
+    KV-cache manager and the runner; the metrics' held changes; the cache blocks at risk
+    (``backup``, set by ``LLMEngine._protect`` once the schedule is known). Committed or
+    rolled back exactly once, then closed: a later step begins its own, so nothing of an
+    earlier step can ever be put back. If beginning fails, nothing was changed and nothing
+    stays open."""
+
+    def __init__(self, scheduler: Scheduler | SchedulerV1, runner: ModelRunner,
+                 metrics: Metrics) -> None:
+        self.scheduler, self.runner, self.metrics = scheduler, runner, metrics
+        self.checkpoint = Checkpoint()
+        self.backup: CacheBackup | None = None       # the blocks at risk, once known
+        self.last_output: SchedulerOutput | None = None
+        self.closed = False
+        try:
+            scheduler.begin(self.checkpoint)
+            self.checkpoint.touch(runner)
+            begin_manager(self.checkpoint, scheduler.block_manager)
+            metrics.begin()
+        except BaseException:
+            self.closed = True                       # nothing changed yet: nothing to undo
+            raise
+
+    def commit(self) -> None:
+        """The step succeeded: apply the metrics' held changes, then close. The metrics are
+        the last thing that can fail; after them come only assignments, so a commit either
+        fails before changing anything (and the step is rolled back) or completes."""
+        if self.closed:
+            raise RuntimeError("this step's transaction was already committed or rolled back")
+        self.metrics.commit()
+        self.closed = self.checkpoint.closed = True      # the point of no return
+        self.backup = None
+
+    def rollback(self) -> None:
+        """Put everything back as it was when the step began, then close: the bookkeeping
+        (it only assigns fields), the metrics' held changes dropped, then the blocks at risk.
+        A failure while doing so is tried once more from where it stopped (the checkpoint's
+        rollback resumes); if it fails again, or the cache blocks cannot be copied back,
+        :class:`RollbackFailed` (the engine takes no more steps)."""
+        if self.closed:
+            raise RuntimeError("this step's transaction was already committed or rolled back")
+        for attempt in (1, 2):
+            try:
+                self.checkpoint.rollback()
+                self.metrics.discard()
+                if self.backup is not None:
+                    put_back(self.runner.gpu_caches, self.runner.cpu_caches, self.backup)
+                break
+            except Exception as exc:
+                if attempt == 2:
+                    self.closed = True
+                    raise RollbackFailed(
+                        f"putting the engine back after a failed step failed twice "
+                        f"({type(exc).__name__}: {exc}); its state or its cached K/V may be "
+                        "wrong, so this engine takes no more steps") from exc
+        self.closed = True
+        self.backup = None
+
+
+# ------------------------------------------------------------------------- the cache blocks
 class CacheBackup(NamedTuple):
     """Copies of some blocks of every layer's K and V caches."""
     gpu_blocks: list[int]

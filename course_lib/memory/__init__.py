@@ -14,7 +14,7 @@ this level (``tests/test_layers.py`` checks it):
              evictable cached blocks), ``prefix_cache.py`` (the chained block hash and
              ``PrefixCache``: verified lookups), ``manager.py`` (``BlockManager``, whole:
              allocate, append with copy-on-write, fork, free, mark computed, swap, groups,
-             usage, snapshot, invariants). ``fast.py``: ``FastBlockManager``, the scheduler's
+             usage, invariants). ``fast.py``: ``FastBlockManager``, the scheduler's
              twin of ``BlockManager`` (fused decode, memoized matching), checked against it.
 ``v1/``      vLLM V1's design (0.33.0; chapter 12): ``block_pool.py`` (``KVCacheBlock``, the
              doubly linked ``FreeKVCacheBlockQueue``, ``BlockPool``, sha256 chained hashes),
@@ -24,7 +24,7 @@ this level (``tests/test_layers.py`` checks it):
              server's ``UnifiedRadixCache`` keeps the algorithm): ``radix_cache.py``
              (``RadixCache``: a radix tree over token ids, lock refs, LRU eviction of
              unlocked leaves), ``allocator.py`` (its slot pools), ``kv_cache_manager.py``
-             (``RadixKVCacheManager``: the V1 calls over the tree), ``snapshot.py``.
+             (``RadixKVCacheManager``: the V1 calls over the tree).
 
 Import each name from the module that defines it, e.g.
 ``from course_lib.memory.v0.manager import BlockManager``.

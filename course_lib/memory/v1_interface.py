@@ -4,37 +4,16 @@
 
 ``V1ManagerBase`` holds what both answer alike: the per-sequence maps, ``has_seq`` /
 ``seq_ids``, the prefix-cache counters (``record_prefix_cache_stats``, ``prefix_cache_stats``),
-``forget``, ``usage`` and the shape of a snapshot (``V1Snapshot``). Each design subclasses it
+``forget`` and ``usage``. Each design subclasses it
 with its own pool: the base is a real class with state, not a mixin.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import NamedTuple
 
 from ..sizing.blocks import check_block_size
 from .common import BlockUsage, PrefixCacheStats, check_watermark
-
-
-class SeqBlocks(NamedTuple):
-    """A sequence's blocks as a snapshot sees them (the V0 snapshot's table shape)."""
-    blocks: list[int]
-    device: str = "gpu"
-
-
-class PoolState(NamedTuple):
-    state: bytearray                     # HELD / FREE / EVICTABLE per block
-
-
-class V1Snapshot(NamedTuple):
-    """``snapshot()`` of a V1 manager; ``gpu``, ``cpu`` and ``tables`` read like V0's."""
-    gpu: PoolState
-    cpu: PoolState
-    tables: dict[int, SeqBlocks]
-    pool: tuple                          # the manager's own pool or tree state
-    per_seq: tuple
-    counters: tuple[int, ...]           # V1ManagerBase._counters()
 
 
 class V1ManagerBase:
@@ -105,14 +84,6 @@ class V1ManagerBase:
         else:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
-
-    def _counters(self) -> tuple[int, int, int, int]:
-        return (self.prefix_cache_queries, self.prefix_cache_hits,
-                self.prefix_cache_preempted_queries, self.prefix_cache_preempted_hits)
-
-    def _load_counters(self, counters: tuple[int, ...]) -> None:
-        (self.prefix_cache_queries, self.prefix_cache_hits,
-         self.prefix_cache_preempted_queries, self.prefix_cache_preempted_hits) = counters
 
     def free(self, seq_id: int) -> None:
         """Give the sequence's blocks back (each manager its own way)."""

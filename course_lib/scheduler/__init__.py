@@ -2,8 +2,9 @@
 
 * ``scheduler``         :class:`Scheduler`, whole, in reading order: ``schedule`` (continuous
                         batching, chunked prefill), preemption by recompute or swap,
-                        ``update``, the request queues, snapshot / restore (the engine's
-                        all-or-nothing step), ``check_invariants``; owns the block manager
+                        ``update``, the request queues, ``begin`` (the step's checkpoint:
+                        the engine's all-or-nothing step), ``check_invariants``; owns the
+                        block manager
 * ``waiting``           :class:`WaitingQueue`: both schedulers' waiting queue, which logs the
                         moves a step makes in it so that a failed step is undone without a copy
 * ``policy``            :class:`SchedulingBudget` and the victim policies

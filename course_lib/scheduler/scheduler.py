@@ -3,7 +3,7 @@
 The shape of vLLM V0's ``Scheduler`` (``vllm/core/scheduler.py``: ``_schedule_running`` /
 ``_schedule_swapped`` / ``_schedule_prefills`` / ``_preempt``), simplified, in one class that
 reads top to bottom: construction, :meth:`Scheduler.schedule` and its passes, preemption,
-:meth:`Scheduler.update`, the request queues, snapshot / restore, ``check_invariants``.
+:meth:`Scheduler.update`, the request queues, the step's checkpoint, ``check_invariants``.
 
 One step is two calls. :meth:`Scheduler.schedule` decides the batch:
 
@@ -21,8 +21,9 @@ sequences (the loop it shares with the V1 scheduler is ``output_processor.apply_
 Contract with the engine that executes a :class:`SchedulerOutput`: run
 ``blocks_to_swap_out`` first (the freed GPU blocks may be reused in the same step), then
 ``blocks_to_swap_in`` and ``blocks_to_copy``, then the forward pass; then call ``update`` with
-the sampled tokens. ``snapshot`` before a step and ``restore`` when it fails make the step all
-or nothing (``engine/rollback.py``).
+the sampled tokens. A step is all or nothing: :meth:`Scheduler.begin` hands the scheduler the
+step's :class:`~course_lib.checkpoint.Checkpoint`, which saves what the step changes
+(``engine/rollback.py`` lists the rest: the block manager's parts).
 
 Collaborators, each in its own module: the knobs (``config.py``), the budget and the victim
 policies (``policy.py``), room checks and never-fit reasons (``admission.py``), the plain
@@ -36,12 +37,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from typing import NamedTuple
 
+from ..checkpoint import Checkpoint
 from ..config import CacheConfig, SchedulerConfig
 from ..memory.common import AllocStatus
 from ..memory.v0.fast import FastBlockManager
-from ..memory.v0.manager import ManagerSnapshot
 from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from . import admission as checks
 from .output import ScheduledSeq, SchedulerOutput
@@ -49,7 +49,7 @@ from .output_processor import apply_step
 from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
 from .waiting import WaitingQueue
 
-__all__ = ["Scheduler", "SchedulerSnapshot"]
+__all__ = ["Scheduler"]
 
 S = SequenceStatus
 
@@ -58,22 +58,16 @@ def _fcfs(r: Request) -> tuple[float, int]:
     return (r.arrival_time, r.request_id)
 
 
-class SchedulerSnapshot(NamedTuple):
-    """``Scheduler.snapshot()``: the queues, counters, request and sequence fields, blocks."""
-    waiting_log: list[tuple[str, Request, int]]     # the step's moves in the waiting queue
-    running: list[Request]
-    swapped: list[Request]
-    counters: tuple[int, ...]
-    requests: dict[int, tuple[Request, tuple]]      # id -> (request, its save()): grows as
-    block_manager: ManagerSnapshot                  # the step touches waiting requests
-
-
 class Scheduler:
     """Decides each step's batch and owns the :class:`BlockManager` (``self.block_manager``).
 
     Reading order: construction; ``schedule`` and its ``_schedule_*`` passes; ``_preempt``;
     ``update``; the queues (``add_request``, ``abort_request``, ``finish_request``, ``_finish``);
-    ``snapshot`` / ``restore``; ``check_invariants``."""
+    ``begin`` (the step's checkpoint); ``check_invariants``."""
+
+    #: not copied by a step's checkpoint: the waiting queue logs its moves instead (it holds
+    #: every request not admitted yet), and the checkpoint itself
+    __rollback_skip__ = ("waiting", "checkpoint")
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
@@ -95,7 +89,7 @@ class Scheduler:
         self.num_prompt_tokens = 0         # vllm:prompt_tokens_total (recomputed ones included)
         self.num_generated_tokens = 0      # vllm:generation_tokens_total
         self._next_seq_id = 0
-        self._saved: dict[int, tuple[Request, tuple]] | None = None   # in a step: see snapshot
+        self.checkpoint: Checkpoint | None = None      # the running step's: see begin
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -218,7 +212,7 @@ class Scheduler:
         bm, cfg = self.block_manager, self.config
         while self.waiting:
             req = self.waiting[0]
-            self._save(req)                  # ignored or admitted below: the step changes it
+            self.save_request(req)                  # ignored or admitted below: the step changes it
             seqs = req.unfinished_seqs
             status = checks.can_allocate(bm, req, seqs)
             reason = checks.never_fits(cfg, bm, req, status)
@@ -322,14 +316,14 @@ class Scheduler:
         freeing its blocks; False if it is not queued here."""
         for i, req in enumerate(self.waiting):
             if req.request_id == request_id:
-                self._save(req)
+                self.save_request(req)
                 self.waiting.remove_at(i)
                 self._finish(req, status, detail)
                 return True
         for queue in (self.running, self.swapped):
             for req in queue:
                 if req.request_id == request_id:
-                    self._save(req)
+                    self.save_request(req)
                     queue.remove(req)
                     self._finish(req, status, detail)
                     return True
@@ -351,48 +345,26 @@ class Scheduler:
             seq.status = status
         req.finish_reason, req.finish_detail = status.finish_reason, detail
 
-    # ------------------------------------------------------------- snapshot / restore
-    def snapshot(self) -> SchedulerSnapshot:
-        """Everything a step can change, before it changes it: the running and swapped lists,
-        the counters, the block manager, and the requests the step runs. Running and swapped
-        requests are saved now; the waiting queue is not copied (the step logs what it takes
-        from and puts back at its front) and a waiting request is saved only when the step
-        first touches it (:meth:`_save`: admitted or ignored), so the cost grows with the
-        batch, never with the waiting queue. A sequence's output list is only ever appended
-        to, so its length is enough to restore it. Ends with :meth:`restore` or
-        :meth:`commit`."""
-        self._saved = {id(r): (r, r.save()) for r in (*self.running, *self.swapped)}
-        return SchedulerSnapshot(
-            self.waiting.begin_log(), list(self.running), list(self.swapped),
-            (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
-             self.num_generated_tokens, self._next_seq_id),
-            self._saved, self.block_manager.snapshot())
+    # ------------------------------------------------------------ the step's checkpoint
+    def begin(self, checkpoint: Checkpoint) -> None:
+        """A step begins; ``checkpoint`` will put back what it changes if it fails: the
+        scheduler's own fields (running and swapped lists, counters), the waiting queue's
+        moves (logged, never copied), and the running and swapped requests with their
+        sequences. A waiting request is saved only when the step first touches it
+        (:meth:`save_request`: admitted or ignored), so the cost grows with the batch, never with
+        the waiting queue. The block manager's parts are the engine's to touch
+        (``engine/rollback.py``)."""
+        self.checkpoint = checkpoint
+        checkpoint.touch(self)
+        checkpoint.watch(self.waiting)
+        for req in (*self.running, *self.swapped):
+            self.save_request(req)
 
-    def _save(self, req: Request) -> None:
-        """Save a request the running step is about to change, if not saved yet."""
-        if self._saved is not None and id(req) not in self._saved:
-            self._saved[id(req)] = (req, req.save())
-
-    def touch(self, req: Request) -> None:
-        """Save a request a transaction is about to change from outside a step (the engine
-        finishing a request alone): running, swapped or waiting."""
-        self._save(req)
-
-    def commit(self) -> None:
-        """The step succeeded: stop saving what it touches."""
-        self._saved = None
-        self.waiting.end_log()
-
-    def restore(self, snap: SchedulerSnapshot) -> None:
-        """Put the queues, requests, sequences, counters and blocks back as in ``snap``."""
-        self.waiting.undo(snap.waiting_log)
-        self.running, self.swapped = list(snap.running), list(snap.swapped)
-        (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
-         self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for req, state in snap.requests.values():
-            req.load(state)
-        self.block_manager.restore(snap.block_manager)
-        self._saved = None
+    def save_request(self, req: Request) -> None:
+        """Save a request and its sequences before the running step first changes them
+        (nothing outside a step)."""
+        if self.checkpoint is not None and not self.checkpoint.closed:
+            self.checkpoint.touch(req, *req.seqs)
 
     # --------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from typing import NamedTuple
+from functools import partial
 
+from ..checkpoint import Checkpoint
 from ..config import CacheConfig, SchedulerConfig
 from ..memory.radix.kv_cache_manager import RadixKVCacheManager
 from ..memory.v1.kv_cache_manager import KVCacheManager
-from ..memory.v1_interface import V1Snapshot
 from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from ..sizing.units import cdiv
 from .output import ScheduledSeq, SchedulerOutput
@@ -41,20 +41,14 @@ from .waiting import WaitingQueue
 S = SequenceStatus
 
 
-class SchedulerV1Snapshot(NamedTuple):
-    waiting_log: list[tuple[str, Sequence, int]]   # the step's moves in the waiting queue
-    running: list[Sequence]
-    requests_log: list[tuple[int, Request]]        # entries the step took out of ``requests``
-    counters: tuple[int, ...]
-    request_fields: dict[int, tuple[Request, tuple]]   # grows as the step touches requests
-    block_manager: V1Snapshot
-    preempted: frozenset[int] = frozenset()
-
-
 class SchedulerV1:
     """Continuous batching over a
     :class:`~course_lib.memory.v1.kv_cache_manager.KVCacheManager` (see above), or over
     SGLang's radix tree with ``CacheConfig(prefix_cache="radix")``."""
+
+    #: not copied by a step's checkpoint: the waiting queue and the map of requests log what
+    #: a step changes in them (they hold every request), and the checkpoint itself
+    __rollback_skip__ = ("waiting", "requests", "checkpoint")
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None) -> None:
@@ -72,8 +66,7 @@ class SchedulerV1:
         self.num_prompt_tokens = self.num_generated_tokens = 0
         self._next_seq_id = 0
         self.preempted: set[int] = set()             # seq ids preempted since admitted
-        self._saved: dict[int, tuple[Request, tuple]] | None = None   # in a step: snapshot
-        self._requests_log: list[tuple[int, Request]] | None = None
+        self.checkpoint: Checkpoint | None = None      # the running step's: see begin
 
     # ------------------------------------------------------------------------ requests
     def check_prompt_len(self, prompt_len: int) -> None:
@@ -145,9 +138,10 @@ class SchedulerV1:
         elif seq in self.waiting:                   # finished from the queue between steps
             self.waiting.remove_at(self.waiting.index(seq))
         self.kv_cache_manager.forget(seq.seq_id)
-        req = self.requests.pop(seq.seq_id, None)
-        if req is not None and self._saved is not None:
-            self._requests_log.append((seq.seq_id, req))
+        req = self.requests.get(seq.seq_id)
+        if req is not None and self._in_step():   # the undo first, then the change
+            self.checkpoint.on_rollback(partial(self.requests.__setitem__, seq.seq_id, req))
+        self.requests.pop(seq.seq_id, None)
         self.preempted.discard(seq.seq_id)
         seq.status = status
 
@@ -212,7 +206,7 @@ class SchedulerV1:
         kvm = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            self._save(self.requests[seq.seq_id])    # admitted or ignored below
+            self.save_request(self.requests[seq.seq_id])    # admitted or ignored below
             req = self.requests[seq.seq_id]
             reason = self._never_fits(seq)
             if reason is not None:
@@ -277,50 +271,28 @@ class SchedulerV1:
             if e.seq.is_finished:                     # apply_samples freed its blocks
                 self._finish_seq(e.seq, e.seq.status)
 
-    # ------------------------------------------------------------ snapshot / restore
-    def snapshot(self) -> SchedulerV1Snapshot:
-        """Everything a step can change, before it changes it (as the V0 ``Scheduler``'s):
-        the running list, the counters, the KV-cache manager, and the requests of running
-        sequences; the waiting queue and the map of requests are not copied (the step logs
-        what it takes out of them), and a waiting sequence's request is saved only when the
-        step first touches it (:meth:`_save`), so the cost never grows with the waiting
-        queue. Ends with :meth:`restore` or :meth:`commit`."""
-        self._saved = {id(r): (r, r.save())
-                       for r in (self.requests[s.seq_id] for s in self.running)}
-        self._requests_log = []
-        return SchedulerV1Snapshot(
-            self.waiting.begin_log(), list(self.running), self._requests_log,
-            (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
-             self.num_generated_tokens, self._next_seq_id),
-            self._saved, self.kv_cache_manager.snapshot(), frozenset(self.preempted))
+    # ------------------------------------------------------------ the step's checkpoint
+    def begin(self, checkpoint: Checkpoint) -> None:
+        """A step begins; ``checkpoint`` will put back what it changes if it fails (as the
+        V0 ``Scheduler.begin``): the scheduler's own fields, the waiting queue's moves and
+        the entries the step takes out of ``requests`` (logged, never copied: both hold every
+        request), and the running sequences' requests. A waiting sequence's request is saved
+        only when the step first touches it (:meth:`save_request`). The KV-cache manager's parts are
+        the engine's to touch (``engine/rollback.py``)."""
+        self.checkpoint = checkpoint
+        checkpoint.touch(self)
+        checkpoint.watch(self.waiting)
+        for seq in self.running:
+            self.save_request(self.requests[seq.seq_id])
 
-    def _save(self, req: Request) -> None:
-        """Save a request the running step is about to change, if not saved yet."""
-        if self._saved is not None and id(req) not in self._saved:
-            self._saved[id(req)] = (req, req.save())
+    def _in_step(self) -> bool:
+        return self.checkpoint is not None and not self.checkpoint.closed
 
-    def touch(self, req: Request) -> None:
-        """Save a request a transaction is about to change from outside a step (the engine
-        finishing a request alone)."""
-        self._save(req)
-
-    def commit(self) -> None:
-        """The step succeeded: stop saving what it touches."""
-        self._saved = self._requests_log = None
-        self.waiting.end_log()
-
-    def restore(self, snap: SchedulerV1Snapshot) -> None:
-        self.waiting.undo(snap.waiting_log)
-        self.running = list(snap.running)
-        for seq_id, req in snap.requests_log:
-            self.requests[seq_id] = req
-        (self.num_steps, self.num_preemptions, self.num_prompt_tokens,
-         self.num_generated_tokens, self._next_seq_id) = snap.counters
-        for req, state in snap.request_fields.values():
-            req.load(state)
-        self.kv_cache_manager.restore(snap.block_manager)
-        self.preempted = set(snap.preempted)
-        self._saved = self._requests_log = None
+    def save_request(self, req: Request) -> None:
+        """Save a request and its sequences before the running step first changes them
+        (nothing outside a step)."""
+        if self._in_step():
+            self.checkpoint.touch(req, *req.seqs)
 
     def check_invariants(self) -> None:
         """Running sequences hold blocks for their computed tokens, waiting ones none, no

@@ -24,13 +24,10 @@ class WaitingQueue(deque):
         self.log: list[Move] | None = None
 
     def begin_log(self) -> list[Move]:
-        """Start logging (a step's transaction begins); returns the log to undo later."""
+        """Start a new log (a step's transaction begins; the last step's log is dropped);
+        returns it, to undo later."""
         self.log = []
         return self.log
-
-    def end_log(self) -> None:
-        """Stop logging (the step committed, or was undone)."""
-        self.log = None
 
     def pop_front(self) -> object:
         """The first item, taken out."""

@@ -2,7 +2,7 @@
 
 :class:`RadixKVCacheManager` answers the V1 scheduler exactly as vLLM V1's ``KVCacheManager``
 (``course_lib/memory/v1/kv_cache_manager.py``) does (``get_computed_blocks``,
-``allocate_slots`` returning ``None`` when short, ``free``, ``forget``, usage, snapshots), but
+``allocate_slots`` returning ``None`` when short, ``free``, ``forget``, usage), but
 finds and keeps cached prefixes the way SGLang 0.5.23 does, with the algorithm of its
 ``RadixCache`` (``python/sglang/srt/mem_cache/radix_cache.py``), which the ``UnifiedRadixCache``
 its server builds keeps (``srt/mem_cache/unified_radix_cache.py``; see ``radix_cache.py``'s
@@ -53,11 +53,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from ...sizing.units import cdiv
-from ..common import EVICTABLE, FREE, HELD
-from ..v1_interface import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
+from ..v1_interface import V1ManagerBase
 from .allocator import BlockSlotPool
 from .radix_cache import RadixCache, TreeNode
-from .snapshot import RadixState, clone_with_locks
 
 
 class RadixKVCacheManager(V1ManagerBase):
@@ -238,24 +236,3 @@ class RadixKVCacheManager(V1ManagerBase):
             assert n.lock_ref == locks.get(id(n), 0), "a lock nobody holds"
         assert set(self.last_node) <= set(self.req_to_blocks)
 
-    # ------------------------------------------------------------ snapshot / restore
-    def snapshot(self) -> V1Snapshot:
-        in_tree = self._tree_blocks()
-        state = bytearray(FREE if self.pool.is_free(b) else
-                          EVICTABLE if b in in_tree and in_tree[b].lock_ref == 0 else HELD
-                          for b in range(self.num_gpu_blocks))
-        tables = {s: SeqBlocks(list(b)) for s, b in self.req_to_blocks.items()}
-        per_seq = ({s: list(b) for s, b in self.req_to_blocks.items()}, dict(self.num_slots),
-                   dict(self.num_cached_block), dict(self.salts))
-        return V1Snapshot(PoolState(state), PoolState(bytearray()), tables,
-                          RadixState(self.tree, self.last_node),
-                          per_seq, self._counters())
-
-    def restore(self, snap: V1Snapshot) -> None:
-        self.tree, self.last_node = clone_with_locks(snap.pool.tree, snap.pool.last_node)
-        self.pool = self.tree.pool
-        tables, slots, cached, salts = snap.per_seq
-        self.req_to_blocks = {s: list(b) for s, b in tables.items()}
-        self.num_slots, self.num_cached_block = dict(slots), dict(cached)
-        self.salts = dict(salts)
-        self._load_counters(snap.counters)

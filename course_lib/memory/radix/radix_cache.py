@@ -227,29 +227,6 @@ class RadixCache:
             self.evict(n - self.pool.available_size())
         return self.pool.alloc(n)
 
-    def clone(self) -> tuple[RadixCache, dict[int, TreeNode]]:
-        """A copy of the tree and its pool (no recursion, whatever the depth), and the map
-        ``id(old node) -> new node`` for callers that hold nodes."""
-        import copy
-
-        new = copy.copy(self)
-        new.pool = copy.deepcopy(self.pool)
-        new.root = TreeNode()
-        new.root.lock_ref, new.root.last_access_time = self.root.lock_ref, \
-            self.root.last_access_time
-        mapping, stack = {id(self.root): new.root}, [self.root]
-        while stack:
-            node = stack.pop()
-            for k, child in node.children.items():
-                c = TreeNode(child.key, list(child.value), mapping[id(node)], child.extra_key)
-                c.lock_ref, c.last_access_time = child.lock_ref, child.last_access_time
-                mapping[id(node)].children[k] = c
-                mapping[id(child)] = c
-                stack.append(child)
-        new.evictable_leaves = {mapping[id(n)] for n in self.evictable_leaves}
-        return new, mapping
-
-    # ----------------------------------------------------------------- sizes, checks
     def evictable_size(self) -> int:
         return self.evictable_size_
 

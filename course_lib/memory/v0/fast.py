@@ -46,6 +46,12 @@ Grown = tuple[list[tuple[int, int]], list[list[int]]]     # (CoW copies, each ta
 class FastPrefixCache(PrefixCache):
     """``PrefixCache`` with memoized prompt hashing and matching (module docstring)."""
 
+    #: not put back by a failed step's checkpoint: memos that stay right whatever the maps
+    #: hold (a prompt's hashes are a function of its tokens; a remembered chain is checked
+    #: against the live keys, by identity, before use). ``_last_match`` is keyed by
+    #: ``version``, so both go back together.
+    __rollback_skip__ = ("_prompts", "_chains")
+
     def __init__(self, hash_algo: str = "builtin") -> None:
         super().__init__(hash_algo)
         self._prompts: dict[tuple, tuple[list[int], list[tuple]]] = {}   # hash_prompt's memo
@@ -66,10 +72,6 @@ class FastPrefixCache(PrefixCache):
     def clear(self) -> None:
         self.version += 1
         super().clear()
-
-    def restore(self, snap: tuple) -> None:
-        self.version += 1
-        super().restore(snap)
 
     # --- the chain, Python's hash inlined -------------------------------------------------
     def hash_blocks(self, table: BlockTable, upto: int) -> None:

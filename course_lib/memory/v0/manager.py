@@ -35,24 +35,13 @@ hashing memoized.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from typing import NamedTuple
 
 from ...sizing.blocks import check_block_size
 from ...sizing.units import cdiv
 from ..common import AllocStatus, BlockUsage, PrefixCacheStats, check_watermark
 from .block_table import BlockTable, common_full_blocks
-from .pool import BlockAllocator, NoFreeBlocksError, PoolSnapshot
+from .pool import BlockAllocator, NoFreeBlocksError
 from .prefix_cache import PrefixCache, typed_salt
-
-
-class ManagerSnapshot(NamedTuple):
-    """``BlockManager.snapshot()``: copies of everything the manager holds."""
-    gpu: PoolSnapshot
-    cpu: PoolSnapshot
-    cache: tuple | None
-    tables: dict[int, BlockTable]
-    queries: int
-    hits: int
 
 
 class BlockManager:
@@ -477,24 +466,6 @@ class BlockManager:
         held = pool.num_blocks - pool.num_free_blocks
         return BlockUsage(device, bs, pool.num_blocks, pool.num_free_blocks,
                           pool.num_evictable_blocks, entries, held * bs - sum(empty.values()))
-
-    # ============================================================ snapshot / restore
-    def snapshot(self) -> ManagerSnapshot:
-        """A copy of every table, both pools, the prefix cache and the counters: what
-        ``LLMEngine.step`` restores when a step fails (O(blocks + tokens held))."""
-        return ManagerSnapshot(self.gpu.snapshot(), self.cpu.snapshot(),
-                               self.cache.snapshot() if self.cache is not None else None,
-                               {s: t.copy(s) for s, t in self._tables.items()},
-                               self.prefix_cache_queries, self.prefix_cache_hits)
-
-    def restore(self, snap: ManagerSnapshot) -> None:
-        """Put the manager back exactly as it was when ``snap`` was taken."""
-        self.gpu.restore(snap.gpu)
-        self.cpu.restore(snap.cpu)
-        if self.cache is not None:
-            self.cache.restore(snap.cache)
-        self._tables = {s: t.copy(s) for s, t in snap.tables.items()}
-        self.prefix_cache_queries, self.prefix_cache_hits = snap.queries, snap.hits
 
     # ================================================================== invariants
     def check_invariants(self) -> None:

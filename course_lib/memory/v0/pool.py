@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable
-from typing import NamedTuple
 
 from ..common import EVICTABLE, FREE, HELD
 
@@ -33,14 +32,6 @@ class NoFreeBlocksError(RuntimeError):
     """Raised when a pool has no free block left. The caller should have asked first
     (``BlockManager.can_allocate`` / ``can_append_slots`` / ``can_swap_in``, in
     ``course_lib/memory/v0/manager.py``)."""
-
-
-class PoolSnapshot(NamedTuple):
-    """Everything a pool holds, copied (``BlockAllocator.snapshot`` / ``restore``)."""
-    ref_counts: list[int]
-    free: list[int]
-    evictable: list[int]
-    state: bytearray
 
 
 class BlockAllocator:
@@ -171,20 +162,6 @@ class BlockAllocator:
         for block in dropped:
             self._state[block] = FREE
         return dropped
-
-    # ------------------------------------------------------------ snapshot / restore
-    def snapshot(self) -> PoolSnapshot:
-        """A copy of the pool's state (O(num_blocks)): see ``LLMEngine.step``."""
-        return PoolSnapshot(list(self.ref_counts), list(self._free), list(self._evictable),
-                            bytearray(self._state))
-
-    def restore(self, snap: PoolSnapshot) -> None:
-        """Put the pool back exactly as it was when ``snap`` was taken."""
-        self.ref_counts[:] = snap.ref_counts
-        self._free[:] = snap.free
-        self._evictable.clear()
-        self._evictable.update(dict.fromkeys(snap.evictable))
-        self._state[:] = snap.state
 
     def check_invariants(self) -> None:
         """Each block is exactly one of held (ref >= 1), free or evictable (both ref 0)."""

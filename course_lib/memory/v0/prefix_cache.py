@@ -222,22 +222,6 @@ class PrefixCache:
         self._collided.clear()
         self._key_of.clear()
 
-    # --- snapshot / restore ---------------------------------------------------------------
-    def snapshot(self) -> tuple:
-        """A copy of the maps and counters (see ``LLMEngine.step``)."""
-        return (dict(self._block_of), {h: list(b) for h, b in self._collided.items()},
-                dict(self._key_of), dict(self._generation), self.num_collisions)
-
-    def restore(self, snap: tuple) -> None:
-        """Put the maps back in place (the block manager holds a live view of the keys)."""
-        block_of, collided, key_of, generation, self.num_collisions = snap
-        for mine, saved in ((self._block_of, block_of), (self._key_of, key_of),
-                            (self._generation, generation)):
-            mine.clear()
-            mine.update(saved)
-        self._collided.clear()
-        self._collided.update({h: list(b) for h, b in collided.items()})
-
     def check_invariants(self) -> None:
         """The two maps are inverse; every key re-hashes to its hash; a live parent holds the
         prefix its child claims."""

@@ -33,8 +33,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from ...sizing.units import cdiv
-from ..common import EVICTABLE, FREE, HELD
-from ..v1_interface import PoolState, SeqBlocks, V1ManagerBase, V1Snapshot
+from ..v1_interface import V1ManagerBase
 from .block_pool import (
     BlockPool,
     KVCacheBlock,
@@ -174,24 +173,3 @@ class KVCacheManager(V1ManagerBase):
                 assert blocks[i].block_hash == hashes[i], f"seq {seq_id} block {i}: hash"
         assert refs == [b.ref_cnt for b in self.block_pool.blocks], "ref counts != tables"
 
-    # ------------------------------------------------------------ snapshot / restore
-    def snapshot(self) -> V1Snapshot:
-        pool = self.block_pool
-        state = bytearray(HELD if b.ref_cnt else (FREE if b.block_hash is None else EVICTABLE)
-                          for b in pool.blocks)
-        tables = {s: SeqBlocks([b.block_id for b in bs]) for s, bs in self.req_to_blocks.items()}
-        per_seq = ({s: [b.block_id for b in bs] for s, bs in self.req_to_blocks.items()},
-                   {s: list(h) for s, h in self.req_to_block_hashes.items()},
-                   dict(self.num_cached_block), dict(self.num_slots), dict(self.salts))
-        return V1Snapshot(PoolState(state), PoolState(bytearray()), tables, pool.snapshot(),
-                          per_seq, self._counters())
-
-    def restore(self, snap: V1Snapshot) -> None:
-        self.block_pool.restore(snap.pool)
-        blocks = self.block_pool.blocks
-        table_ids, hashes, cached, slots, salts = snap.per_seq
-        self.req_to_blocks = {s: [blocks[i] for i in ids] for s, ids in table_ids.items()}
-        self.req_to_block_hashes = {s: list(h) for s, h in hashes.items()}
-        self.num_cached_block, self.num_slots, self.salts = dict(cached), dict(slots), \
-            dict(salts)
-        self._load_counters(snap.counters)
