@@ -46,7 +46,8 @@ def test_split_memory_edge_cases_are_tried():
 
 
 def test_first_fit_checker_catches_best_fit_and_missing_merges():
-    no_merge_first_fit, best_fit = ch02.EXERCISES["2.2"].wrong
+    no_merge_first_fit = ch02.EXERCISES["2.2"].rule("merges").wrong
+    best_fit = ch02.EXERCISES["2.2"].rule("first fit").wrong
     verdict = ch02.check_first_fit(best_fit)
     assert not verdict.ok and "first fit takes the lowest hole" in verdict.first_problem
     verdict = ch02.check_first_fit(no_merge_first_fit)

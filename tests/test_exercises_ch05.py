@@ -89,6 +89,22 @@ def test_blocks_held_refuses_the_pages_manager_and_formula():
 
     v = ch05.check_blocks_held(formula)
     assert not v.ok and "from the four lengths alone" in v.first_problem
-    held_after_sampling = ch05.EXERCISES["5.2"].wrong[-1]
+    held_after_sampling = ch05.EXERCISES["5.2"].rule("no BlockManager").wrong
     assert "BlockManager" in ch05.check_blocks_held(held_after_sampling).first_problem
     assert capacity.blocks_with_shared_prefix(2, 10, 8, 4) == 4       # restored afterwards
+
+
+def test_5_2_the_formula_behind_the_huge_case_agrees_with_the_manager():
+    """The case with lengths in the billions is judged by the solution's formula (no manager
+    could count it): the formula gives the manager's count on every other case."""
+    import random
+
+    from course_lib.exercises import ch05
+    from course_lib.exercises.solutions import ch05 as solutions
+
+    rng = random.Random(5)
+    for _ in range(60):
+        case = (rng.randrange(1, 6), rng.randrange(1, 50), rng.randrange(0, 20),
+                2 ** rng.randrange(0, 5))
+        assert solutions.blocks_held(*case) == ch05.blocks_held(*case), case
+    assert "billions" in ch05.check_blocks_held(solutions.blocks_held).cases[-1]

@@ -11,7 +11,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Verdict,
+    judge_cases,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.solutions import ch02 as solutions
 from course_lib.sim.static import CATEGORIES, ContiguousAllocator, reservation
 from course_lib.sizing.units import cdiv
@@ -262,11 +270,22 @@ EXERCISES = Exercises(
         "The free slots are sum(holes). They are external fragmentation only when someone "
         "waits (head_need is not None) and no single hole is at least head_need long; then all "
         "of them are, as in the paper's Fig. 2. max(holes, default=0) handles no holes.",
-        "Return the five keys token_states, reserved, internal, external, free. Then compare "
-        "with simulate_static in course_lib/sim/static.py, which counts the same five at every "
-        "step of a trace.",
+        "Return the five keys token_states, reserved, internal, external, free.",
     ), solution=solutions.split_memory,
-        wrong=(_split_forgets_reserved, _split_external_is_small_holes, _split_strict_fit)),
+        rules=(
+        Rule("slots held for tokens still to come are reserved, not internal",
+             "residents [(1024, 100, 300)], holes [204",
+             _split_forgets_reserved),
+        Rule("external only when no single hole holds head_need slots (else 0)",
+             "residents [(1024, 100, 300)], holes [204",
+             _split_external_is_small_holes),
+        Rule("a hole of exactly head_need slots holds the head",
+             "residents [(1024, 100, 300)], holes [1000, 1",
+             _split_strict_fit),
+    ),
+        compare_with=(
+        "simulate_static in course_lib/sim/static.py, which counts the same five at every step of"
+        " a trace")),
     Exercise("2.2", "a first-fit allocator", check_first_fit, hints=(
         "Keep the holes as (start, length) pairs sorted by start, beginning with "
         "[(0, num_slots)]. An alloc takes the first hole with length >= size and carves the "
@@ -274,8 +293,19 @@ EXERCISES = Exercises(
         "Remember each successful alloc's start by its event index: a free names that index, "
         "and its size is events[index][1].",
         "On free, insert the range and merge it with a hole that ends where it starts and one "
-        "that starts where it ends. Then read ContiguousAllocator in course_lib/sim/static.py.",
-    ), solution=solutions.first_fit, wrong=(_first_fit_no_merge, _best_fit)),
+        "that starts where it ends.",
+    ), solution=solutions.first_fit, rules=(
+        Rule("a freed range merges with its free neighbours",
+             "8 slots, events [('alloc', 3",
+             _first_fit_no_merge),
+        Rule("the lowest hole long enough (first fit), not the smallest",
+             "10 slots, events [('alloc', 3), ",
+             _best_fit),
+        Rule("an allocation is carved from the front of its hole",
+             "10 slots, events [('alloc', 3), ",
+             rule_wrongs.first_fit_from_the_back),
+    ), compare_with=(
+        "ContiguousAllocator in course_lib/sim/static.py")),
 )
 
 

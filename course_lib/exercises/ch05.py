@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from course_lib import capacity
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, args_text, judge_cases
 from course_lib.exercises.ch05_beams import WRONG as _WRONG_BEAMS
 from course_lib.exercises.ch05_beams import (
     check_beam_blocks,
@@ -74,8 +74,13 @@ def _no_manager() -> Iterator[None]:
         BlockManager.__init__, capacity.blocks_with_shared_prefix = init, formula
 
 
+HUGE_LENGTHS = (1000, 10**9 + 7, 10**9, 16)   # a formula answers at once, a simulation never
+
+
 def _judge_held(learner: Callable, case: tuple) -> str | None:
-    want = blocks_held(*case)
+    # the manager counts the small cases; the lengths in the billions only a formula can
+    # (tests/test_exercises_ch05.py checks the two agree on every small case)
+    want = solutions.blocks_held(*case) if case == HUGE_LENGTHS else blocks_held(*case)
     with _no_manager():
         got = learner(*case)
     if got == want:
@@ -99,7 +104,13 @@ def check_blocks_held(fn: Callable[[int, int, int, int], int]) -> Verdict:
              (4, 16, 4, 4), (4, 16, 5, 4), (2, 1, 1, 1), (3, 500, 20, 16)]
     cases += [(rng.randrange(1, 6), rng.randrange(1, 50), rng.randrange(0, 20),
                2 ** rng.randrange(0, 5)) for _ in range(30)]
-    return judge_cases("5.2 blocks_held", fn, cases, _judge_held)
+    cases.append(HUGE_LENGTHS)
+    return judge_cases("5.2 blocks_held", fn, cases, _judge_held, _held_text, seconds=2.0)
+
+
+def _held_text(case: tuple) -> str:
+    return args_text(case) + (" (lengths in the billions: count with a formula, not a "
+                              "simulation)" if case == HUGE_LENGTHS else "")
 
 
 # ------------------------------------------------------------------ copies in three workloads
@@ -163,6 +174,21 @@ def _held_after_sampling(n, prompt_len, gen_len, block_size):
     return blocks_held(n, prompt_len, gen_len, block_size)
 
 
+def _counted_token_by_token(num_samples, prompt_len, gen_len, block_size):
+    """Wrong for 5.2: right on small lengths, but it walks every token of every sample (a
+    simulation, as with a class of one's own), so lengths in the billions never finish."""
+    if gen_len == 0:
+        return cdiv(prompt_len, block_size)
+    full = prompt_len // block_size
+    total = full
+    for _ in range(num_samples):
+        own = set()
+        for position in range(full * block_size, prompt_len + gen_len):
+            own.add(position // block_size)
+        total += len(own)
+    return total
+
+
 EXERCISES = Exercises(
     Exercise("5.1", "beam_blocks", check_beam_blocks, hints=(
         "Count the references first: a block's ref count is the number of tables (beams) "
@@ -172,32 +198,63 @@ EXERCISES = Exercises(
         "references. Then each beam appends: with num_tokens % block_size == 0 every beam "
         "opens a new block; otherwise a last block with count r > 1 is copied r - 1 times "
         "(the last beam left on it is its only owner by then and writes in place).",
-        "held = blocks with a count above 0 after the frees and forks, plus one per copy, "
-        "plus one per beam when the last blocks were full. Then read _beam_step in "
-        "course_lib/scheduler/output_processor.py and BlockManager.fork / free / "
-        "append_slots in course_lib/memory/v0/manager.py.",
-    ), solution=solutions.beam_blocks, wrong=_WRONG_BEAMS,
-        trivial=(lambda *a: None, lambda *a: ([], [], 0))),
+        "held = blocks with a count above 0 after the frees and forks, plus one per copy, plus "
+        "one per beam when the last blocks were full.",
+    ), solution=solutions.beam_blocks, rules=(
+        Rule("k beams on one shared partial block make k - 1 copies (the last writer keeps it)",
+             "beams {0: [0, 1]} at 7 t",
+             _WRONG_BEAMS[0]),
+        Rule("a dropped beam's blocks that a kept beam shares stay held",
+             "beams {1: [0, 2], 0: [0, 1]} at 8 tokens, block size 4, picks [0",
+             _WRONG_BEAMS[1]),
+        Rule("a full shared last block is not copied: the new token opens a new block",
+             "beams {0: [0, 1]} at 8 t",
+             _WRONG_BEAMS[2]),
+    ),
+        trivial=(lambda *a: None, lambda *a: ([], [], 0)), compare_with=(
+        "_beam_step in course_lib/scheduler/output_processor.py and BlockManager.fork / free / "
+        "append_slots in course_lib/memory/v0/manager.py")),
     Exercise("5.2", "blocks_held", check_blocks_held, hints=(
         "Split the prompt into its full blocks (shared by every sample for ever) and the rest "
         "(each sample writes there, so each ends with its own copy).",
         "After the first write, each sample holds ceil((prompt_len + gen_len) / block_size) - "
         "prompt_len // block_size blocks of its own. With gen_len = 0 nobody wrote: the "
         "partial block is still shared.",
-        "Once it passes, compare with capacity.blocks_with_shared_prefix in "
-        "course_lib/capacity.py (which has no gen_len = 0 case), then BlockManager."
-        "append_slots in course_lib/memory/v0/manager.py.",
-    ), solution=solutions.blocks_held, wrong=(_no_sharing, _partial_block_shared_forever,
-                                              _held_after_sampling)),
+    ), solution=solutions.blocks_held, rules=(
+        Rule("the prompt's full blocks are shared: they count once",
+             "(4, 16, 0, 4",
+             _no_sharing),
+        Rule("each sample that writes into the partial prompt block copies it",
+             "(4, 18, 1, 4",
+             _partial_block_shared_forever),
+        Rule("counted from the four lengths alone (no BlockManager)",
+             "(1, 10, 5, 4",
+             _held_after_sampling),
+        Rule("counted from the four lengths alone (no simulation of one's own)",
+             "lengths in the billions",
+             _counted_token_by_token),
+    ), compare_with=(
+        "capacity.blocks_with_shared_prefix in course_lib/capacity.py (which has no gen_len = 0 "
+        "case), then BlockManager.append_slots in course_lib/memory/v0/manager.py")),
     Exercise("5.3", "CowManager", check_cow_manager, hints=(
         "Start from the toy on the page (tables, lens, refs, a free stack) and put it in a "
         "class; what is new is free(): it drops one reference per block of the table.",
         "A block goes back on the free stack only when its ref count reaches 0. free() walks "
         "the table from its last block to its first; a copy takes the top of the free stack, "
         "then drops the writer's reference to the source block.",
-        "Read BlockManager.append_slots, fork and free in course_lib/memory/v0/manager.py, and "
-        "BlockAllocator.touch / release in course_lib/memory/v0/pool.py.",
-    ), solution=solutions.CowManager, wrong=_WRONG_COW, trivial=(_DoesNothing,)),
+    ), solution=solutions.CowManager, rules=(
+        Rule("free drops the references from the last block to the first",
+             "(6, 4, [('allocate', 0, 9), ",
+             _WRONG_COW[0]),
+        Rule("a copy-on-write drops the writer's reference to the old block",
+             "(8, 4, [('allocate', 0, 18),",
+             _WRONG_COW[1]),
+        Rule("a block returns to the free stack only when its count reaches 0",
+             "(8, 2, [('al",
+             _WRONG_COW[2]),
+    ), trivial=(_DoesNothing,), compare_with=(
+        "BlockManager.append_slots, fork and free in course_lib/memory/v0/manager.py, and "
+        "BlockAllocator.touch / release in course_lib/memory/v0/pool.py")),
 )
 
 

@@ -23,7 +23,17 @@ from course_lib import capacity as cap
 from course_lib.claims.sources_claim import cite
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import PAPER_SHARING_SAVINGS, saving_of_tables, sharing_savings
-from course_lib.exercises import Exercise, Exercises, Verdict, check, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Verdict,
+    ch10_beams,
+    check,
+    judge_cases,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.ch10_beams import WRONG as _WRONG_BEAMS
 from course_lib.exercises.ch10_beams import (
     check_beam_step,
@@ -219,26 +229,56 @@ EXERCISES = Exercises(
         "num_computed + num_new - 1.",
         "The sampler reads only the last new token's row, and only when the chunk reaches "
         "the sequence's end (num_computed + num_new == num_tokens); otherwise append None.",
-        "Read make_attention_metadata and AttentionMetadata.last_token_indices in "
-        "course_lib/model/attention.py, and how num_candidates is 0 for a short chunk "
-        "(SamplingParams.num_candidates in course_lib/sequence.py).",
     ), solution=solutions.flatten_step,
-        wrong=(_wrong_rows_always, _wrong_positions_from_zero)),
+        rules=(
+        Rule("sample_rows is None when the chunk stops before the sequence's last token",
+             "batch [(40, 0, 1",
+             _wrong_rows_always),
+        Rule("positions start at num_computed",
+             "batch [(5, 4",
+             _wrong_positions_from_zero),
+        Rule("rows are counted over the whole batch, entry after entry",
+             "batch [(40, 32, ",
+             rule_wrongs.flatten_rows_per_entry),
+    ), compare_with=(
+        "make_attention_metadata and AttentionMetadata.last_token_indices in "
+        "course_lib/model/attention.py, and how num_candidates is 0 for a short chunk "
+        "(SamplingParams.num_candidates in course_lib/sequence.py)")),
     Exercise("10.2", "beam_step", check_beam_step, hints=(
         "Every (beam, token) pair is a candidate scored score + logprob, where logprob = "
         "logit - logsumexp(logits of that beam); subtract the max before exp().",
         "Put the candidates of all beams in one list, sort by (-score, tokens + [token]) and "
         "keep the first width: a beam picked twice forks, a beam never picked is dropped.",
-        "Read _beam_step in course_lib/scheduler/output_processor.py (and the sampler's beam "
-        "branch in course_lib/engine/sampler.py, which hands it 2 x width candidates a beam).",
-    ), solution=solutions.beam_step, wrong=_WRONG_BEAMS),
+        "Ties: two candidates of equal score, from different beams, can end in the same "
+        "token; the whole list tokens + [token] decides, not the new token alone.",
+    ), solution=solutions.beam_step, wrong=_WRONG_BEAMS, rules=(
+        Rule("scores are cumulative: the parent's score plus this token's log-probability",
+             "beams [([5], -0.5)], width 1", _WRONG_BEAMS[0]),
+        Rule("the width best over all beams (a beam may fork or be dropped)",
+             "beams [([1], -0.1), ([2], -9.0)], width 2", _WRONG_BEAMS[1]),
+        Rule("ties go to the smaller tokens + [token] list", "beams [([5], -1.0), ([2], "
+             "-1.0)], width 2", ch10_beams._wrong_ties_by_score_only),
+        Rule("ties compare the whole list, not the new token", "beams [([5], -1.0), ([2], "
+             "-1.0)], width 2", ch10_beams._wrong_ties_by_last_token),
+        Rule("large logits (800): subtract the max before exp", "beams [([7], -1.0), ([3], "
+             "-1.2)], width 2", ch10_beams._wrong_no_max),
+    ), compare_with="_beam_step in course_lib/scheduler/output_processor.py (and the "
+                    "sampler's beam branch in course_lib/engine/sampler.py, which hands it "
+                    "2 x width candidates a beam)"),
     Exercise("10.3", "sharing_saving", check_sharing_saving, hints=(
         "Entries: the sum of the tables' lengths. Distinct blocks: a set of every block id.",
         "Return 0.0 when there are no entries at all (no tables, or only empty ones).",
-        "Read saving_of_tables in course_lib/engine/workloads.py.",
     ), solution=solutions.sharing_saving,
-        wrong=(lambda ts: 1 - len({b for t in ts for b in t}) / sum(map(len, ts)),   # no 0.0
-               lambda ts: 1 - sum(len(set(t)) for t in ts) / max(1, sum(map(len, ts))))),
+        rules=(
+        Rule("0.0 when there are no entries",
+             "([])",
+             lambda ts: 1 - len({b for t in ts for b in t}) / sum(map(len, ts))),
+        Rule("distinct blocks over all the tables, not per table",
+             "([[1, 2, 3], [1, 2, 4]])",
+             lambda ts: 1 - sum(len(set(t)) for t in ts) / max(1, sum(map(len, ts)))),
+    ),
+        compare_with=(
+        "saving_of_tables in course_lib/engine/workloads.py")),
 )
 
 

@@ -11,7 +11,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Verdict,
+    judge_cases,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.ch12_allocate import check_allocate_slots
 from course_lib.exercises.solutions import ch12 as solutions
 from course_lib.memory.radix.radix_cache import RadixCache
@@ -192,22 +200,35 @@ EXERCISES = Exercises(
         "two lists by whether it is cached.",
         "The uncached blocks go in front of the old queue (reused first) and the cached ones "
         "behind it (evicted last), each list in the order it was freed: tail first.",
-        "Read BlockPool.free_blocks and FreeKVCacheBlockQueue in "
-        "course_lib/memory/v1/block_pool.py (vllm/v1/core/block_pool.py in vLLM).",
-    ), solution=solutions.free_queue_after, wrong=(
-        lambda q, t: [b for b, c in t if not c] + q + [b for b, c in t if c],   # table order
-        lambda q, t: q + [b for b, _ in t[::-1]])),                             # all to the back
+    ), solution=solutions.free_queue_after, rules=(
+        Rule("the blocks are freed in reverse table order",
+             "queue [5, 6]",
+             lambda q, t: [b for b, c in t if not c] + q + [b for b, c in t if c]),
+        Rule("blocks that are not cached go to the front, cached ones to the back",
+             "queue [5, 6]",
+             lambda q, t: q + [b for b, _ in t[::-1]]),
+    ), compare_with=(
+        "BlockPool.free_blocks and FreeKVCacheBlockQueue in course_lib/memory/v1/block_pool.py "
+        "(vllm/v1/core/block_pool.py in vLLM)")),                             # all to the back
     Exercise("12.2", "radix_hit", check_radix_hit, hints=(
         "The tree holds every earlier prompt, so the match is the longest common prefix of "
         "the prompt with any one of them (token by token, not block by block).",
         "Only whole pages are matched: round the longest common prefix down to a multiple of "
         "page_size. Unlike V1's hash chain, the whole prompt may be matched.",
-        "Read RadixCache.match_prefix in course_lib/memory/radix/radix_cache.py (SGLang's "
-        "srt/mem_cache/radix_cache.py).",
-    ), solution=solutions.radix_hit, wrong=(
-        _blocks_only,
-        lambda p, e, ps: max((sum(1 for a, b in zip(p, o, strict=False) if a == b)
-                              for o in e), default=0))),                          # not a prefix
+    ), solution=solutions.radix_hit, rules=(
+        Rule("the radix tree matches token by token, in whole pages of page_size",
+             "prompt [1, 2, 3], page_size 1, earlier [[1, ",
+             _blocks_only),
+        Rule("a prefix match: it stops at the first token that differs",
+             "prompt [1, 1, 2, 1, ",
+             lambda p, e, ps: max((sum(1 for a, b in zip(p, o, strict=False) if a == b)
+                              for o in e), default=0)),
+        Rule("whole pages only",
+             "prompt [1, 0, 1, 0],",
+             rule_wrongs.radix_token_granular),
+    ), compare_with=(
+        "RadixCache.match_prefix in course_lib/memory/radix/radix_cache.py (SGLang's "
+        "srt/mem_cache/radix_cache.py)")),                          # not a prefix
     Exercise("12.3", "allocate_slots", check_allocate_slots, hints=(
         "Count first, change nothing yet: the request needs ceil(total / block_size) blocks "
         "for total = num_computed_tokens + len(hits) * block_size + num_new_tokens; it holds "
@@ -220,13 +241,33 @@ EXERCISES = Exercises(
         "new block), req.blocks = held + hits + new, and cache the full blocks only: "
         "pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, "
         "total // block_size), then req.num_cached_block = total // block_size.",
-        "Read KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py, then "
-        "vLLM 0.33.0's allocate_slots in vllm/v1/core/kv_cache_manager.py and "
-        "get_num_blocks_to_allocate in vllm/v1/core/single_type_kv_cache_manager.py (where "
-        "the evictable hits are counted).",
-    ), solution=solutions.allocate_slots, wrong=(
-        hits_are_free, touches_then_checks, caches_partial_block, no_watermark,
-        watermark_always, all_hits_cost, touches_hits_last)),
+    ), solution=solutions.allocate_slots, rules=(
+        Rule("a hit in the free queue (ref_cnt 0) costs a free block",
+             "(5, 4, 0, ([1, 2",
+             hits_are_free),
+        Rule("no room: return None and touch nothing",
+             "(5, 4, 0, ([1, 2",
+             touches_then_checks),
+        Rule("only full blocks are cached",
+             "(4, 4, 0, ([1, 2, 3, 4, 5, 6, 7, 8, 9], ",
+             caches_partial_block),
+        Rule("admissions keep watermark_blocks free",
+             "(6, 2, 2, ([",
+             no_watermark),
+        Rule("running requests ignore the watermark",
+             "(6, 2, 2, ([",
+             watermark_always),
+        Rule("a hit held by other requests costs no free block",
+             "(4, 4, 0, ([1, 2, 3, 4, 5, 6, 7, 8, 9], ",
+             all_hits_cost),
+        Rule("the hits are touched before the new blocks are taken",
+             "(5, 4, 0, ([1, 2",
+             touches_hits_last),
+    ), compare_with=(
+        "KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py, then vLLM "
+        "0.33.0's allocate_slots in vllm/v1/core/kv_cache_manager.py and "
+        "get_num_blocks_to_allocate in vllm/v1/core/single_type_kv_cache_manager.py (where the "
+        "evictable hits are counted)")),
 )
 
 
