@@ -250,3 +250,49 @@ def test_an_operation_that_hangs_is_stopped_and_named(monkeypatch):
     verdict = ch03.check_allocator(SpinsWhenEmpty)
     assert not verdict.ok and "op 0 allocate()" in verdict.first_problem
     assert "still running after 0.3 s" in verdict.first_problem
+
+
+def _markdown(chapter: str) -> str:
+    (path,) = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    nb = json.loads(path.read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    return " ".join(text.split())
+
+
+def test_a_prediction_exercise_poses_the_scenarios_its_checker_plays():
+    """Predict-then-run (5.3, 10.3, 12.1): the statement lists every scenario in the words
+    the checker's verdict uses, so a learner predicts what is played."""
+    from course_lib.exercises import ch05_cow, ch10, ch12
+
+    for chapter, scenarios in (("05", ch05_cow.SCENARIOS), ("10", ch10.SHARING_SCENARIOS),
+                               ("12", ch12.SCENARIOS)):
+        text = _markdown(chapter)
+        for s in scenarios:
+            assert f"**{s.key}**: {' '.join(s.text.split())}" in text, (chapter, s.key)
+
+
+def test_a_fix_the_bug_exercise_shows_the_code_its_wrong_answer_runs():
+    """Fix-the-bug (3.3, 8.2, 11.1) and find-the-failing-input (2.2): the broken code the
+    notebook shows is the code the tests hold to failing, line for line."""
+    import ast
+    import inspect
+    import textwrap
+
+    from course_lib.exercises import ch02, ch03, ch08, ch11
+
+    for chapter, broken, number in (("02", ch02.RightMergeFirstFit.free, None),
+                                    ("03", ch03.ShownAllocator, "3.3"),
+                                    ("08", ch08.shown_kv_heads_per_rank, "8.2"),
+                                    ("11", ch11.shown_append_slots, "11.1")):
+        text = _markdown(chapter)
+        source = textwrap.dedent(inspect.getsource(broken))
+        node = ast.parse(source).body[0]
+        first = node.body[1 if ast.get_docstring(node) else 0].lineno
+        for line in source.splitlines()[first - 1:]:
+            assert " ".join(line.split()) in text, (chapter, line)
+        if number:
+            assert broken in module_of(number).EXERCISES[number].wrong
+
+
+def module_of(number: str):
+    return importlib.import_module(f"course_lib.exercises.ch{int(number.split('.')[0]):02d}")

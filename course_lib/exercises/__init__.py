@@ -11,6 +11,7 @@ The generic :func:`check` lives here; each chapter's exercise cases and checkers
 from __future__ import annotations
 
 import copy
+import math
 import signal
 import threading
 import warnings
@@ -207,6 +208,43 @@ def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any]
                        + (f"; and {first}" if first else ""), cases=described,
                        failed=described)
     return Verdict(exercise, passed, len(cases), first, cases=described, failed=tuple(failed))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One scenario of a predict-then-run exercise: ``key`` names it in the learner's answer,
+    ``text`` says it in the statement's words, ``run()`` plays it on the library and returns
+    the number the learner predicts."""
+    key: str
+    text: str
+    run: Callable[[], Any]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.text})"
+
+
+def judge_predictions(exercise: str, learner: Callable[[], Any],
+                      scenarios: Sequence[Scenario]) -> Verdict:
+    """The checker of a predict-then-run exercise: ``learner()`` returns a dict of predictions
+    ``{key: number}``; each scenario is run on the library and compared with its prediction
+    (to float precision where the library's number is a float).
+    A wrong prediction is told with the library's value (the answer is committed by then); a
+    missing one is told without it."""
+    def judge(learner: Callable[[], Any], scenario: Scenario) -> str | None:
+        got = learner()
+        if not isinstance(got, dict):
+            return f"{scenario}: returned {got!r:.60}, not a dict {{scenario: prediction}}"
+        if scenario.key not in got:
+            return f"{scenario}: no prediction for {scenario.key!r}"
+        want, mine = scenario.run(), got[scenario.key]
+        close = (isinstance(want, float) and isinstance(mine, int | float)
+                 and math.isclose(mine, want, rel_tol=1e-9, abs_tol=1e-12))
+        if isinstance(mine, bool) or not (close or mine == want):
+            said = f"{want:.4g}" if isinstance(want, float) else repr(want)
+            return f"{scenario}: you predicted {mine!r}, the library gives {said}"
+        return None
+
+    return judge_cases(exercise, learner, scenarios, judge, str)
 
 
 @dataclass(frozen=True)

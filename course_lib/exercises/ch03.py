@@ -1,6 +1,6 @@
 """Chapter 03 exercises: a block manager (can_allocate's OK/LATER/NEVER and a step that
 changes nothing when it does not fit), the slots of one step's new tokens, a free-list
-allocator.
+allocator to fix (:class:`ShownAllocator`, the broken one the notebook shows).
 
 Each ``check_*`` runs the learner's code and the library's on the same cases (edge cases
 first, then random ones from a fixed seed) and returns a :class:`Verdict` that prints the
@@ -187,6 +187,33 @@ def check_allocator(toy_class: type) -> Verdict:
                       _allocator_problem)
 
 
+class ShownAllocator:
+    """3.3's broken allocator, as the notebook shows it: three bugs, each against a rule of
+    the statement (the learner returns it fixed)."""
+
+    def __init__(self, num_blocks):
+        self.num_blocks = num_blocks
+        self.free_stack = list(range(num_blocks))      # every block starts free
+        self.is_free = [True] * num_blocks
+
+    @property
+    def num_free(self):
+        return len(self.free_stack)
+
+    def allocate(self):
+        if not self.free_stack:
+            raise RuntimeError("no free block")
+        block = self.free_stack.pop()
+        self.is_free[block] = False
+        return block
+
+    def free(self, block):
+        if not 0 <= block <= self.num_blocks or self.is_free[block]:
+            raise ValueError(f"block {block} is not allocated")
+        self.is_free[block] = True
+        self.free_stack.insert(0, block)
+
+
 class _FifoAllocator(solutions.ToyAllocator):
     """Wrong: hands out the block freed longest ago (a queue), not the last one (a stack)."""
 
@@ -272,14 +299,14 @@ EXERCISES = Exercises(
     ),
         compare_with=(
         "BlockTable.slot in course_lib/memory/v0/block_table.py")),
-    Exercise("3.3", "free-list allocator", check_allocator, hints=(
-        "Keep the free blocks in a Python list used as a stack: append() pushes, pop() takes "
-        "the top. Which order must the list start in for a fresh pool to give 0, 1, 2, ...?",
-        "free() must change nothing when it refuses: check the id's range and whether the "
-        "block is already free *before* touching the stack (a list of booleans answers the "
-        "second question in O(1)).",
-        "Start from list(range(num_blocks - 1, -1, -1)).",
-    ), solution=solutions.ToyAllocator, rules=(
+    Exercise("3.3", "fix a free-list allocator", check_allocator, hints=(
+        "Run the class above by hand on a pool of 3: what do the first three allocate() calls "
+        "return? Free two blocks, then allocate: which one should come back first?",
+        "Try free() on the ids just outside the pool, -1 and num_blocks: which one does the "
+        "check let through, and what happens to it then?",
+        "Three things to fix: the order the stack starts in, the end of the stack free() "
+        "pushes onto, and the upper bound of the range check.",
+    ), solution=solutions.ToyAllocator, wrong=(ShownAllocator,), rules=(
         Rule("allocate takes the top of a LIFO stack",
              "(3, [('allocate',), ('free', 0), ('f",
              _FifoAllocator),

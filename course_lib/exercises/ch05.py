@@ -1,12 +1,11 @@
 """Chapter 05 exercises: one beam-search step on shared block tables, the blocks parallel
-sampling holds, and a copy-on-write block manager (allocate, fork, append, free with reference
-counts).
+sampling holds, and predictions of what copy-on-write does (forks, writes, frees).
 
 The expected answers come from running a real ``BlockManager`` (fork, append_slots, free), not
 from a second copy of the rule. 5.1 and 5.2 run the edge cases, then random cases from a fixed
-seed, and name the first difference with the rule it breaks; 5.3's checker (in
-:mod:`course_lib.exercises.ch05_cow`) follows 3.3's: random operation sequences, and a failure
-replays the operations that led to it. :func:`cow_scenarios` counts the copies the V0
+seed, and name the first difference with the rule it breaks; 5.3 (in
+:mod:`course_lib.exercises.ch05_cow`) asks for predictions of five scenarios and plays each on
+the manager. :func:`cow_scenarios` counts the copies the V0
 scheduler asks for in three workloads (forked samples, a shared prefix, preemption by
 recompute): only forks copy.
 """
@@ -26,10 +25,7 @@ from course_lib.exercises.ch05_beams import (
     check_beam_blocks,
 )
 from course_lib.exercises.ch05_cow import WRONG as _WRONG_COW
-from course_lib.exercises.ch05_cow import (
-    _DoesNothing,
-    check_cow_manager,
-)
+from course_lib.exercises.ch05_cow import check_cow_predictions
 from course_lib.exercises.solutions import ch05 as solutions
 from course_lib.memory.v0.manager import BlockManager
 from course_lib.scheduler.scheduler import Scheduler
@@ -236,23 +232,26 @@ EXERCISES = Exercises(
     ), compare_with=(
         "capacity.blocks_with_shared_prefix in course_lib/capacity.py (which has no gen_len = 0 "
         "case), then BlockManager.append_slots in course_lib/memory/v0/manager.py")),
-    Exercise("5.3", "CowManager", check_cow_manager, hints=(
-        "Start from the toy on the page (tables, lens, refs, a free stack) and put it in a "
-        "class; what is new is free(): it drops one reference per block of the table.",
-        "A block goes back on the free stack only when its ref count reaches 0. free() walks "
-        "the table from its last block to its first; a copy takes the top of the free stack, "
-        "then drops the writer's reference to the source block.",
-    ), solution=solutions.CowManager, rules=(
-        Rule("free drops the references from the last block to the first",
-             "(6, 4, [('allocate', 0, 9), ",
-             _WRONG_COW[0]),
-        Rule("a copy-on-write drops the writer's reference to the old block",
-             "(8, 4, [('allocate', 0, 18),",
-             _WRONG_COW[1]),
-        Rule("a block returns to the free stack only when its count reaches 0",
-             "(8, 2, [('al",
-             _WRONG_COW[2]),
-    ), trivial=(_DoesNothing,), compare_with=(
+    Exercise("5.3", "predict copy-on-write", check_cow_predictions, hints=(
+        "Draw each table as a row of boxes of 4 slots and write each block's ref count under "
+        "it: a fork adds one to every block of the parent's table, a free takes one off.",
+        "A write goes into the last block. Full: a new block, nothing copied. Partial and "
+        "shared (count > 1): a fresh block and a copy, the old block loses a reference. "
+        "Partial with count 1: written in place, whoever the block came from.",
+        "The free stack is last in, first out, and free pushes a table from its last block "
+        "to its first.",
+    ), solution=solutions.cow_predictions, rules=(
+        Rule("a write into a shared partial block copies it; its last owner writes in place",
+             "a (an 18-token", _WRONG_COW[0]),
+        Rule("a full last block is never copied: the new token opens a new block",
+             "b (a 16-token", _WRONG_COW[1]),
+        Rule("k owners of one partial block make k - 1 copies",
+             "c (a 6-token", _WRONG_COW[2]),
+        Rule("free drops one reference; a block another table holds stays, and its sole "
+             "owner writes in place", "d (a 10-token", _WRONG_COW[3]),
+        Rule("free pushes the table from its last block to its first on a LIFO stack",
+             "e (a 12-token", _WRONG_COW[4]),
+    ), trivial=(lambda *a: None, lambda *a: {}), compare_with=(
         "BlockManager.append_slots, fork and free in course_lib/memory/v0/manager.py, and "
         "BlockAllocator.touch / release in course_lib/memory/v0/pool.py")),
 )

@@ -155,6 +155,16 @@ def check_kv_heads_per_rank(fn: Callable[[int, int], int]) -> Verdict:
                  raises_as_value(reference_kv_heads_per_rank), HEAD_CASES)
 
 
+def shown_kv_heads_per_rank(num_kv_heads, tensor_parallel_size):
+    """8.2's broken function, as the notebook shows it (the learner returns it fixed)."""
+    tp = tensor_parallel_size
+    if tp > num_kv_heads:
+        return 1                                  # more ranks than heads: a copy each
+    if num_kv_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} cannot split {num_kv_heads} KV heads")
+    return num_kv_heads // tp
+
+
 # ----------------------------------------------------------------- the registry
 def _weights_not_split(L, H, KV, D, P, gib, max_len, n):
     """Wrong: every rank holds all the weights."""
@@ -232,12 +242,12 @@ EXERCISES = Exercises(
              "70553706496, 80, 32768, 10000)", _never_raises),
     ), compare_with="kv_heads_per_rank, block_bytes, available_kv_bytes and plan_kv_cache in "
                     "course_lib/capacity.py"),
-    Exercise("8.2", "kv_heads_per_rank", check_kv_heads_per_rank, hints=(
-        "Two regimes: fewer ranks than heads (split them), more ranks than heads (each rank "
-        "keeps a copy of one). And a third answer: this TP cannot split the heads at all.",
-        "tp <= heads: heads % tp must be 0, the answer heads // tp. tp > heads: tp % heads "
-        "must be 0, the answer 1. tp < 1 is never valid. Otherwise raise ValueError.",
-    ), solution=solutions.kv_heads_per_rank, rules=(
+    Exercise("8.2", "fix kv_heads_per_rank", check_kv_heads_per_rank, hints=(
+        "Run the function above in your head on sizes it was not written for: more ranks "
+        "than heads but not a multiple of them (8 heads, 12 ranks), and tp = 0.",
+        "Two regimes, one rule between them: the larger of tp and num_kv_heads must be a "
+        "multiple of the smaller. And tp < 1 must be refused before anything divides by it.",
+    ), solution=solutions.kv_heads_per_rank, wrong=(shown_kv_heads_per_rank,), rules=(
         Rule("with more ranks than heads each rank holds one (replicated) head",
              "(8, 16)",
              lambda h, tp: h // tp),

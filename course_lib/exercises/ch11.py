@@ -2,7 +2,8 @@
 
 * 11.1 ``append_slots(bm, seq_id, token_ids)``: reserve slots for new tokens on the real
   :class:`~course_lib.memory.v0.manager.BlockManager`, copying a shared partial last block first
-  (copy-on-write). The checker routes every append of the engine's block manager through it.
+  (copy-on-write); the learner fixes :func:`shown_append_slots`, the broken one the notebook
+  shows. The checker routes every append of the engine's block manager through it.
 * 11.2 ``cache_ops(eng, out)``: run a step's ``blocks_to_swap_out``, ``blocks_to_swap_in`` and
   ``blocks_to_copy`` on ``eng.gpu_caches`` / ``eng.cpu_caches`` (one ``(key, value)`` pair per
   layer), in the order the block manager's contract requires. The checker tries it on cache
@@ -209,16 +210,34 @@ def check_capstone(append: AppendFn, cache_ops: CacheOpsFn,
                                cache_ops=cache_ops)
 
 
+def shown_append_slots(bm: BlockManager, seq_id: int, token_ids: list[int]
+                       ) -> list[tuple[int, int]]:
+    """11.1's broken append, as the notebook shows it: two bugs (the learner returns it
+    fixed)."""
+    table = bm.get_table(seq_id)
+    blocks = table.writable_blocks()
+    bs, n = bm.block_size, len(table.token_ids)
+    copies = []
+    if bm.gpu.ref_counts[blocks[-1]] > 1:                # shared: copy it before writing
+        src = blocks[-1]
+        blocks[-1] = bm.gpu.allocate()
+        copies.append((src, blocks[-1]))
+    while len(blocks) * bs < n + len(token_ids):         # then fresh blocks until all fit
+        blocks.append(bm.gpu.allocate())
+    table.token_ids.extend(token_ids)
+    return copies
+
+
 EXERCISES = Exercises(
-    Exercise("11.1", "append_slots with copy-on-write", check_append_slots, hints=(
-        "Get the table (bm.get_table(seq_id)); change its block list through "
-        "table.writable_blocks(), never table.blocks directly. n = len(table.token_ids) "
-        "tokens already have a slot.",
-        "Copy first, then grow: the last block is copied only if it is partial (n % "
-        "block_size != 0) and shared (bm.gpu.ref_counts[last] > 1): take bm.gpu.allocate() "
-        "in its place, bm.gpu.release([old]) and report (old, new). Then append fresh blocks "
-        "until len(blocks) * block_size >= n + len(token_ids), and extend token_ids.",
-    ), solution=solutions.append_slots, rules=(
+    Exercise("11.1", "fix append_slots with copy-on-write", check_append_slots, hints=(
+        "Follow the function above through a fork: parent and child share every block, "
+        "count 2. The parent appends and copies its last block: what count does the old block "
+        "keep, and who still points at it?",
+        "Now let the last block be full when they fork. The new token cannot go into it "
+        "anyway: is there anything to copy?",
+        "Two fixes: copy only a last block that is partial (n % block_size != 0) and shared, "
+        "and after taking the fresh block drop one reference to the old one.",
+    ), solution=solutions.append_slots, wrong=(shown_append_slots,), rules=(
         Rule("a partial shared last block is replaced by a fresh one (copy-on-write)",
              "workload 1 (",
              checks.WRONG_APPENDS[0]),

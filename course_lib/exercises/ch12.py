@@ -1,9 +1,9 @@
-"""Chapter 12 exercises: vLLM V1's free-block queue, SGLang's token-level prefix match, and
-V1's ``allocate_slots`` (its checker is in :mod:`course_lib.exercises.ch12_allocate`).
+"""Chapter 12 exercises: predictions of vLLM V1's free-block queue, SGLang's token-level prefix
+match, and V1's ``allocate_slots`` (its checker is in :mod:`course_lib.exercises.ch12_allocate`).
 
 References run the library's ``BlockPool`` (V1), ``RadixCache`` (SGLang) and ``KVCacheManager``
-on the same input; feedback names the first queue position (and the block's kind), the prompt,
-or the operation and the room it had, that differs.
+on the same input; feedback names the first scenario predicted wrong (with the library's
+value), the prompt, or the operation and the room it had, that differs.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from course_lib.exercises import (
     Exercise,
     Exercises,
     Rule,
+    Scenario,
     Verdict,
     judge_cases,
+    judge_predictions,
     returns,
     rule_wrongs,
 )
@@ -47,45 +49,54 @@ def free_queue_after(queue: list[int], table: list[tuple[int, bool]]) -> list[in
     return [b.block_id for b in free.get_all_free_blocks()]
 
 
-def check_free_queue_after(fn: Callable[[list[int], list[tuple[int, bool]]], list[int]]
-                           ) -> Verdict:
-    rng = random.Random(12)
-    cases = [([], [(0, False)]), ([5, 6], [(0, True), (1, True), (2, False)]),
-             ([3], [(0, False), (1, False)]), ([1, 2], [])]
-    for _ in range(30):
-        ids = rng.sample(range(24), rng.randint(0, 12))
-        split = rng.randint(0, len(ids))
-        queue = ids[:split]
-        cached_prefix = rng.randint(0, len(ids) - split)
-        table = [(b, i < cached_prefix) for i, b in enumerate(ids[split:])]
-        cases.append((queue, table))
-
-    def judge(case: tuple, got) -> str | None:
-        queue, table = case
-        want = free_queue_after(queue, table)
-        if not isinstance(got, (list, tuple)):
-            return (f"queue {queue}, freeing {table}: returned {got!r}, a list of block ids "
-                    "(front first) was expected")
-        got = [int(b) for b in got]
-        if got == want:
-            return None
-        return (f"queue {queue}, freeing {table} ((block, cached)): "
-                + _queue_diff(got, want, dict(table)))
-
-    return judge_cases("12.1 free_queue_after", fn, cases, returns(judge),
-                       lambda c: f"queue {c[0]}, freeing {c[1]}")
+def _front(queue: list[int], table: list[tuple[int, bool]]) -> Callable[[], int]:
+    return lambda: free_queue_after(queue, table)[0]
 
 
-def _queue_diff(got: list[int], want: list[int], cached: dict[int, bool]) -> str:
-    i = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w),
-             min(len(got), len(want)))
-    if i == len(want) or i == len(got):
-        return f"{len(got)} free blocks, should be {len(want)}"
-    b = want[i]
-    kind = ("a freed cached block: to the back, tail of the table first" if cached.get(b)
-            else "a freed uncached block: to the front, tail of the table first"
-            if b in cached else "a block that was already free")
-    return f"position {i} of the queue is block {got[i]}, should be block {b} ({kind})"
+def _back(queue: list[int], table: list[tuple[int, bool]]) -> Callable[[], int]:
+    return lambda: free_queue_after(queue, table)[-1]
+
+
+def _position(queue: list[int], table: list[tuple[int, bool]], block: int
+              ) -> Callable[[], int]:
+    return lambda: free_queue_after(queue, table).index(block)
+
+
+SCENARIOS = (
+    Scenario("a", "queue [5, 6], then a request holding blocks 0, 1 (cached) and 2 (not "
+                  "cached) is freed: the block at the front",
+             _front([5, 6], [(0, True), (1, True), (2, False)])),
+    Scenario("b", "queue [5, 6], then a request holding blocks 0, 1 (cached) and 2 (not "
+                  "cached) is freed: the block at the back",
+             _back([5, 6], [(0, True), (1, True), (2, False)])),
+    Scenario("c", "queue [3], then a request holding blocks 0 and 1 (not cached) is "
+                  "freed: the block at the front",
+             _front([3], [(0, False), (1, False)])),
+    Scenario("d", "queue [7], then a request holding blocks 0, 1 and 2 (cached) is freed: "
+                  "the block at the front",
+             _front([7], [(0, True), (1, True), (2, True)])),
+    Scenario("e", "queue [4, 5], then a request holding blocks 0, 1, 2 (cached) and 3 (not "
+                  "cached) is freed: the position of block 0 (the front is 0)",
+             _position([4, 5], [(0, True), (1, True), (2, True), (3, False)], 0)),
+)
+
+
+def check_free_queue_predictions(fn: Callable[[], dict]) -> Verdict:
+    """12.1: each scenario played on a ``BlockPool`` (:func:`free_queue_after`), against the
+    learner's prediction."""
+    return judge_predictions("12.1 free_queue_predictions", fn, SCENARIOS)
+
+
+def _queue_predictions(**changed: int) -> Callable[[], dict]:
+    """A wrong answer: the solution's predictions with ``changed`` ones."""
+    return lambda: {**solutions.free_queue_predictions(), **changed}
+
+
+_ALL_TO_THE_BACK = _queue_predictions(a=5)          # V0's habit: every freed block at the back
+_CACHED_HEAD_FIRST = _queue_predictions(b=1)        # the table freed from its first block
+_UNCACHED_HEAD_FIRST = _queue_predictions(c=0)
+_CACHED_REUSED_FIRST = _queue_predictions(d=2)      # cached blocks to the front too
+_PREFIX_IN_TABLE_ORDER = _queue_predictions(e=3)    # [3, 4, 5, 0, 1, 2]
 
 
 def radix_hit(prompt: list[int], earlier: list[list[int]], page_size: int) -> int:
@@ -195,21 +206,26 @@ def touches_then_checks(pool, req, n, hits, bs, watermark):
 
 
 EXERCISES = Exercises(
-    Exercise("12.1", "free_queue_after", check_free_queue_after, hints=(
-        "Walk the table backwards (the tail is freed first) and sort each block into one of "
-        "two lists by whether it is cached.",
-        "The uncached blocks go in front of the old queue (reused first) and the cached ones "
-        "behind it (evicted last), each list in the order it was freed: tail first.",
-    ), solution=solutions.free_queue_after, rules=(
-        Rule("the blocks are freed in reverse table order",
-             "queue [5, 6]",
-             lambda q, t: [b for b, c in t if not c] + q + [b for b, c in t if c]),
-        Rule("blocks that are not cached go to the front, cached ones to the back",
-             "queue [5, 6]",
-             lambda q, t: q + [b for b, _ in t[::-1]]),
-    ), compare_with=(
+    Exercise("12.1", "predict the free queue", check_free_queue_predictions, hints=(
+        "Write the queue as a row, front on the left: new blocks are taken from the front, so "
+        "the front is reused (and evicted from the prefix cache) first.",
+        "A block that is not cached holds nothing worth keeping: it goes to the front. A "
+        "cached block may be hit again: it goes to the back, behind the blocks already free.",
+        "The table is freed from its last block to its first, so a prompt's first block, on "
+        "which every later block's hash depends, is the last to be evicted.",
+    ), solution=solutions.free_queue_predictions, rules=(
+        Rule("freed blocks that are not cached go to the front",
+             "a (queue [5, 6],", _ALL_TO_THE_BACK),
+        Rule("the table is freed tail first: its first cached block ends at the back",
+             "b (queue [5, 6],", _CACHED_HEAD_FIRST),
+        Rule("uncached blocks too are freed tail first", "c (queue [3],", _UNCACHED_HEAD_FIRST),
+        Rule("cached blocks go behind the blocks already free", "d (queue [7],",
+             _CACHED_REUSED_FIRST),
+        Rule("a prompt's first block is evicted after its later ones", "e (queue [4, 5],",
+             _PREFIX_IN_TABLE_ORDER),
+    ), trivial=(lambda *a: None, lambda *a: {}), compare_with=(
         "BlockPool.free_blocks and FreeKVCacheBlockQueue in course_lib/memory/v1/block_pool.py "
-        "(vllm/v1/core/block_pool.py in vLLM)")),                             # all to the back
+        "(vllm/v1/core/block_pool.py in vLLM)")),
     Exercise("12.2", "radix_hit", check_radix_hit, hints=(
         "The tree holds every earlier prompt, so the match is the longest common prefix of "
         "the prompt with any one of them (token by token, not block by block).",

@@ -76,31 +76,6 @@ def _weights(config) -> int:
     return params + (0 if config.get("tie_word_embeddings") else vocab * hidden)
 
 
-# ------------------------------------------------------------------ 2.2
-def first_fit_from_the_back(num_slots, events):
-    """Wrong: carves an allocation from the back of the hole, not its front."""
-    holes, got = [(0, num_slots)], {}
-    for i, (kind, value) in enumerate(events):
-        if kind == "alloc":
-            got[i] = None
-            for j, (start, length) in enumerate(holes):
-                if length >= value:
-                    got[i] = start + length - value
-                    holes[j] = (start, length - value)
-                    break
-            holes = [h for h in holes if h[1]]
-        else:
-            holes = sorted([*holes, (got[value], events[value][1])])
-            merged = [holes[0]]
-            for s, n in holes[1:]:
-                if merged[-1][0] + merged[-1][1] == s:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((s, n))
-            holes = merged
-    return list(got.values())
-
-
 # ------------------------------------------------------------------ 3.2
 def slots_sorted_by_id(tables, num_computed, num_new, block_size):
     """Wrong: the sequences in sorted order, not in the order of num_new."""
