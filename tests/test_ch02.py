@@ -20,7 +20,8 @@ def not_attempted(*_):
 
 def test_checkers_pass_the_library_and_fail_wrong_answers():
     assert ch02.check_split_memory(ch02.split_memory).ok
-    assert ch02.check_first_fit(ch02.first_fit).ok
+    assert ch02.check_failing_events(lambda n: [("alloc", 1), ("alloc", n - 1), ("free", 0),
+                                                ("free", 1), ("alloc", n)]).ok
 
     def counts_free_as_external_whenever_someone_waits(residents, holes, head_need):
         out = ch02.split_memory(residents, holes, None)
@@ -45,16 +46,32 @@ def test_split_memory_edge_cases_are_tried():
         ch02.split_memory([(4, 2, 5)], [], None)
 
 
-def test_first_fit_checker_catches_best_fit_and_missing_merges():
-    no_merge_first_fit, best_fit = ch02.EXERCISES["2.2"].wrong
-    verdict = ch02.check_first_fit(best_fit)
-    assert not verdict.ok and "first fit takes the lowest hole" in verdict.first_problem
-    verdict = ch02.check_first_fit(no_merge_first_fit)
-    assert not verdict.ok and "merges with its free" in verdict.first_problem
+def test_2_2_the_broken_allocator_breaks_only_where_a_left_merge_is_missing():
+    """The shown allocator agrees with the library's first fit until a freed range should
+    have merged with the hole before it; the checker says why an invalid sequence is one."""
+    from course_lib.sim.static import ContiguousAllocator
+
+    broken, right = ch02.RightMergeFirstFit(8), ContiguousAllocator(8)
+    for size in (2, 2, 2):
+        assert broken.allocate(size) == right.allocate(size)
+    broken.free(4, 2)               # the hole after it: merged
+    right.free(4)
+    broken.free(2, 2)               # the hole after it again: merged
+    right.free(2)
+    assert broken.holes == right.holes == [(2, 6)]
+    broken.free(0, 2)
+    right.free(0)
+    assert broken.holes == right.holes == [(0, 8)]
+    assert ch02.failing_break(8, [("alloc", 2), ("alloc", 2), ("free", 0), ("free", 1),
+                                  ("alloc", 4)]) == (4, 2, 0)
+    verdict = ch02.check_failing_events(lambda n: [("alloc", 1), ("free", 0), ("free", 0)])
+    assert "was freed already" in verdict.first_problem
+    verdict = ch02.check_failing_events(lambda n: [("alloc", 0)])
+    assert "size >= 1" in verdict.first_problem
 
 
 def test_not_attempted_exercises_say_so():
-    for checker in (ch02.check_split_memory, ch02.check_first_fit):
+    for checker in (ch02.check_split_memory, ch02.check_failing_events):
         verdict = checker(not_attempted)
         assert not verdict.attempted and "not attempted yet" in str(verdict)
 

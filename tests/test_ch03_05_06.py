@@ -23,7 +23,9 @@ def not_done(*args):
 def test_manager_checker_names_the_operation_and_the_concept():
     assert check_manager(ReferenceManager).ok
     assert not check_manager(not_done).attempted
-    partial, no_never, watermark_on_append = ch03.EXERCISES["3.1"].wrong
+    rule = ch03.EXERCISES["3.1"].rule
+    partial, no_never = rule("changes nothing").wrong, rule("NEVER").wrong
+    watermark_on_append = rule("appends ignore the watermark").wrong
     v = check_manager(partial)
     assert "append_step({'A': 2, 'B': 2}) returns False" in v.first_problem
     assert "must change nothing" in v.first_problem
@@ -132,7 +134,8 @@ def test_beam_blocks_checker():
         return freed, copied, held
 
     assert check_beam_blocks(mine).ok
-    every_beam_copies, frees_whole_tables, _ = ch05.EXERCISES["5.1"].wrong
+    every_beam_copies = ch05.EXERCISES["5.1"].rule("k - 1 copies").wrong
+    frees_whole_tables = ch05.EXERCISES["5.1"].rule("dropped beam").wrong
     v = check_beam_blocks(every_beam_copies)
     assert not v.ok and "picks [0, 0]: copied is [1, 1]" in v.first_problem
     assert "k - 1 copies" in v.first_problem

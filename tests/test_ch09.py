@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from course_lib.exercises import ch09
+from course_lib.exercises.solutions import ch09 as solutions
 from course_lib.parallel.merge import merge_partials, partial_attention, split_ranges
 
 pytestmark = pytest.mark.ch09
@@ -18,7 +19,7 @@ def not_yet(*args):
 
 @pytest.mark.parametrize("checker,solution", [
     (ch09.check_place_tokens, ch09.place_tokens),
-    (ch09.check_cp_decode, ch09.cp_decode),
+    (ch09.check_cp_decode, solutions.cp_decode),   # ch09.cp_decode is dense: see below
     (ch09.check_max_decode_steps, ch09.max_decode_steps),
 ])
 def test_checker_passes_the_reference_and_reports_not_attempted(checker, solution):
@@ -69,4 +70,20 @@ def test_wrong_answers_fail_with_a_named_difference(number):
         v = ex.checker(wrong)
         assert v.attempted and not v.ok and v.first_problem
     if number == "9.2":
-        assert "MAX" in ex.checker(ex.wrong[0]).first_problem
+        assert "MAX" in ex.checker(ex.rule("subtract the MAX").wrong).first_problem
+
+
+def test_9_2_dense_attention_has_the_numbers_but_not_the_merge():
+    """ch09.cp_decode, the reference, is attention over every token on one rank: the same
+    numbers as the merge, which is why the checker watches partial_attention's calls."""
+    verdict = ch09.check_cp_decode(ch09.cp_decode)
+    assert not verdict.ok and "not one rank's tokens" in verdict.first_problem
+
+    def merged_in_torch(q, k, v, owner, cp_size):     # never calls partial_attention
+        out = torch.softmax(torch.einsum("hd,nhd->hn", q, k.repeat_interleave(
+            q.shape[0] // k.shape[1], 1)) * q.shape[1] ** -0.5, -1)
+        return (torch.einsum("hn,nhd->hd", out, v.repeat_interleave(q.shape[0] // k.shape[1], 1)),
+                ch09.cp_decode(q, k, v, owner, cp_size)[1])
+
+    verdict = ch09.check_cp_decode(merged_in_torch)
+    assert not verdict.ok and "never attended" in verdict.first_problem

@@ -23,19 +23,18 @@ def test_free_queue_reference_is_what_the_kv_cache_manager_does():
 
 
 def test_checkers_pass_the_right_answer_and_catch_wrong_ones():
-    def right(queue, table):
-        rev = table[::-1]
-        return [b for b, c in rev if not c] + queue + [b for b, c in rev if c]
+    def right():                                     # the queue itself, then read off it
+        def q(queue, table):
+            rev = table[::-1]
+            return [b for b, c in rev if not c] + queue + [b for b, c in rev if c]
+        cached = [(0, True), (1, True), (2, False)]
+        return {"a": q([5, 6], cached)[0], "b": q([5, 6], cached)[-1],
+                "c": q([3], [(0, False), (1, False)])[0],
+                "d": q([7], [(0, True), (1, True), (2, True)])[0],
+                "e": q([4, 5], [(0, True), (1, True), (2, True), (3, False)]).index(0)}
 
-    def table_order(queue, table):                   # forgets that the tail goes first
-        return [b for b, c in table if not c] + queue + [b for b, c in table if c]
-
-    def all_back(queue, table):                      # the V0 habit: everything to the back
-        return queue + [b for b, _ in table[::-1]]
-
-    assert ch12.check_free_queue_after(right).ok
-    assert not ch12.check_free_queue_after(table_order).ok
-    assert not ch12.check_free_queue_after(all_back).ok
+    assert ch12.check_free_queue_predictions(right).ok
+    assert not ch12.check_free_queue_predictions(lambda: {**right(), "e": 3}).ok
 
     def common(p, q):
         pairs = enumerate(zip(p, q, strict=False))

@@ -35,12 +35,13 @@ def not_attempted(*args):
 def test_ch10_checkers_pass_the_library_and_fail_wrong_answers() -> None:
     assert ch10.check_flatten_step(ch10.flatten_step).ok
     assert check_beam_step(beam_step).ok
-    assert ch10.check_sharing_saving(ch10.sharing_saving).ok
+    assert ch10.check_sharing_predictions(lambda: {"a": 0.75, "b": 3 / 8, "c": 1 / 3,
+                                                   "d": 0.5}).ok
     # wrong: sorts the new beams worst first / says no sharing ever
     worst = check_beam_step(lambda b, lg, w: beam_step(b, lg, w)[::-1])
     assert not worst.ok and "first difference" in str(worst)
-    assert not ch10.check_sharing_saving(lambda ts: 0.0).ok
-    for checker in (ch10.check_flatten_step, check_beam_step, ch10.check_sharing_saving):
+    assert not ch10.check_sharing_predictions(lambda: dict.fromkeys("abcd", 0.0)).ok
+    for checker in (ch10.check_flatten_step, check_beam_step, ch10.check_sharing_predictions):
         assert "not attempted yet" in str(checker(not_attempted))
 
 

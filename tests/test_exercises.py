@@ -12,12 +12,14 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import re
+import time
 from pathlib import Path
 
 import pytest
 
 import course_lib.exercises as exercises_pkg
-from course_lib.exercises import Exercise, Exercises
+from course_lib.exercises import Exercise, Exercises, Rule
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +86,79 @@ def test_plausible_wrong_answers_fail_with_a_first_difference(module, ex: Exerci
         assert verdict.first_problem, str(verdict)
 
 
+def pinned(rule: Rule, described: tuple[str, ...]) -> list[str]:
+    """The case descriptions a rule's ``case`` names (a part of each)."""
+    return [d for d in described if rule.case in d]
+
+
+@pytest.mark.parametrize("module, ex", CASES)
+def test_every_rule_is_pinned_by_a_case_its_wrong_answer_fails(module, ex: Exercise):
+    """Each rule the statement states has a case among the checker's, and the answer that
+    drops the rule fails that very case (not merely some case)."""
+    assert ex.rules, f"{ex.number}: list the rules its statement states (Exercise.rules)"
+    cases = ex.checker(ex.solution).cases
+    for rule in ex.rules:
+        assert pinned(rule, cases), (f"{ex.number}: no case of the checker is {rule.case!r}, "
+                                     f"which should pin {rule.text!r}")
+        assert rule.wrong in ex.wrong
+        verdict = ex.checker(rule.wrong)
+        assert verdict.attempted and not verdict.ok, (rule.text, str(verdict))
+        assert pinned(rule, verdict.failed), (
+            f"{ex.number}: dropping {rule.text!r} does not fail {rule.case!r}; it fails "
+            f"{verdict.failed[:3]}")
+
+
+LIBRARY_POINTER = re.compile(r"\b[Rr]ead (?!\w+ (?:only|past|outside))|[Cc]ompare with|"
+                             r"course_lib[./]|vllm/")
+
+
+def test_the_library_pointer_detector():
+    assert LIBRARY_POINTER.search("Then read BlockTable.slot in course_lib/memory/v0/x.py.")
+    assert LIBRARY_POINTER.search("Compare with reference.merge_attn_states.")
+    assert not LIBRARY_POINTER.search("the -1 entries past the last block are never read.")
+
+
+@pytest.mark.parametrize("module, ex", CASES)
+def test_hints_point_to_ideas_and_the_library_comes_after_a_pass(module, ex: Exercise):
+    """No hint sends the learner to the library function that is the answer; where there is
+    code to compare with, the verdict of a pass says so."""
+    for hint in ex.hints:
+        assert not LIBRARY_POINTER.search(hint), f"{ex.number}: {hint}"
+    verdict = ex.checker(ex.solution)
+    if ex.compare_with:
+        assert str(verdict).endswith(f"now compare with {ex.compare_with}"), str(verdict)
+
+
+@pytest.mark.parametrize("module, ex", CASES)
+def test_a_triton_solution_shows_its_kernel(module, ex: Exercise):
+    source = Exercises(ex).solution(ex.number)
+    assert ("@triton.jit" in source) == ex.needs_triton, source[:200]
+
+
+def test_a_case_that_hangs_is_stopped_and_named(monkeypatch):
+    """Every case runs under a deadline; the verdict names the case that ran past it and
+    stops there."""
+    import course_lib.exercises as ex_pkg
+    from course_lib.exercises import ch07
+
+    monkeypatch.setattr(ex_pkg, "CASE_SECONDS", 0.3)
+
+    def off_by_one(prompt_len, budget, num_decoding):   # >= 0: never ends
+        chunks, left = [], prompt_len
+        while left >= 0:
+            take = min(left, budget - num_decoding)
+            chunks.append(take)
+            left -= take
+        return chunks
+
+    start = time.monotonic()
+    verdict = ch07.check_prefill_chunks(off_by_one)
+    assert time.monotonic() - start < 5
+    assert not verdict.ok and "still running after 0.3 s" in verdict.first_problem
+    assert verdict.first_problem.startswith("(")          # the case's arguments come first
+    assert verdict.failed and verdict.failed[-1] in verdict.first_problem
+
+
 @pytest.mark.parametrize("module, ex", CASES)
 def test_hints_are_graded_and_the_solution_is_code(module, ex: Exercise):
     assert len(ex.hints) >= 2
@@ -136,3 +211,88 @@ def test_3_3_accepts_any_exception_from_an_empty_pool():
             return super().allocate()
 
     assert ch03.check_allocator(RaisesValueError).ok
+
+
+def test_3_1_reads_only_what_its_statement_names():
+    """3.1 names the methods, ``tables`` and ``num_free``: a correct manager that keeps its
+    pool size under another name, and gives block ids of its own choosing, passes."""
+    from course_lib.exercises import ch03
+    from course_lib.exercises.solutions.ch03 import ToyManager
+
+    class Renamed:
+        def __init__(self, num_blocks, block_size, watermark_blocks):
+            self._inner = ToyManager(num_blocks, block_size, watermark_blocks)
+            self._inner.free_blocks = [f"b{i}" for i in self._inner.free_blocks]
+
+        def __getattr__(self, name):        # the four methods, tables and num_free only
+            if name in ("can_allocate", "allocate", "append_step", "free", "tables",
+                        "num_free"):
+                return getattr(self._inner, name)
+            raise AttributeError(name)
+
+    verdict = ch03.check_manager(Renamed)
+    assert verdict.ok, str(verdict)
+
+
+def test_an_operation_that_hangs_is_stopped_and_named(monkeypatch):
+    """The same deadline holds for each operation of a class's checker (replay_ops)."""
+    import course_lib.exercises as ex_pkg
+    from course_lib.exercises import ch03
+    from course_lib.exercises.solutions.ch03 import ToyAllocator
+
+    class SpinsWhenEmpty(ToyAllocator):
+        def allocate(self):
+            while not self.free_stack:       # waits for a free that never comes
+                pass
+            return super().allocate()
+
+    monkeypatch.setattr(ex_pkg, "CASE_SECONDS", 0.3)
+    verdict = ch03.check_allocator(SpinsWhenEmpty)
+    assert not verdict.ok and "op 0 allocate()" in verdict.first_problem
+    assert "still running after 0.3 s" in verdict.first_problem
+
+
+def _markdown(chapter: str) -> str:
+    (path,) = (ROOT / "notebooks").glob(f"{chapter}_*.ipynb")
+    nb = json.loads(path.read_text())
+    text = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    return " ".join(text.split())
+
+
+def test_a_prediction_exercise_poses_the_scenarios_its_checker_plays():
+    """Predict-then-run (5.3, 10.3, 12.1): the statement lists every scenario in the words
+    the checker's verdict uses, so a learner predicts what is played."""
+    from course_lib.exercises import ch05_cow, ch10, ch12
+
+    for chapter, scenarios in (("05", ch05_cow.SCENARIOS), ("10", ch10.SHARING_SCENARIOS),
+                               ("12", ch12.SCENARIOS)):
+        text = _markdown(chapter)
+        for s in scenarios:
+            assert f"**{s.key}**: {' '.join(s.text.split())}" in text, (chapter, s.key)
+
+
+def test_a_fix_the_bug_exercise_shows_the_code_its_wrong_answer_runs():
+    """Fix-the-bug (3.3, 8.2, 11.1) and find-the-failing-input (2.2): the broken code the
+    notebook shows is the code the tests hold to failing, line for line."""
+    import ast
+    import inspect
+    import textwrap
+
+    from course_lib.exercises import ch02, ch03, ch08, ch11
+
+    for chapter, broken, number in (("02", ch02.RightMergeFirstFit.free, None),
+                                    ("03", ch03.ShownAllocator, "3.3"),
+                                    ("08", ch08.shown_kv_heads_per_rank, "8.2"),
+                                    ("11", ch11.shown_append_slots, "11.1")):
+        text = _markdown(chapter)
+        source = textwrap.dedent(inspect.getsource(broken))
+        node = ast.parse(source).body[0]
+        first = node.body[1 if ast.get_docstring(node) else 0].lineno
+        for line in source.splitlines()[first - 1:]:
+            assert " ".join(line.split()) in text, (chapter, line)
+        if number:
+            assert broken in module_of(number).EXERCISES[number].wrong
+
+
+def module_of(number: str):
+    return importlib.import_module(f"course_lib.exercises.ch{int(number.split('.')[0]):02d}")

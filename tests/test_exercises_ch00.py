@@ -14,29 +14,30 @@ needs_triton = pytest.mark.skipif(not BACKEND.uses_triton, reason="the kernels n
 
 @needs_triton
 def test_the_floor_grid_is_told_to_use_the_ceiling():
-    floor_grid = ch00.EXERCISES["0.1"].wrong[0]
+    floor_grid = ch00.EXERCISES["0.1"].rule("ceil(n / block_size)").wrong
     verdict = ch00.check_leaky_relu(floor_grid)
     assert "ceil(n / block_size)" in verdict.first_problem and "never written" in str(verdict)
 
 
 @needs_triton
 def test_a_store_past_the_end_is_seen_in_the_sentinel():
-    unmasked = ch00.EXERCISES["0.1"].wrong[1]
+    unmasked = ch00.EXERCISES["0.1"].rule("mask the store").wrong
     verdict = ch00.check_leaky_relu(unmasked)
     assert "overwritten" in verdict.first_problem and "mask the store" in verdict.first_problem
 
 
 @needs_triton
 def test_block_max_names_other_and_the_mask():
-    zero_lanes, no_mask, _ = ch00.EXERCISES["0.2"].wrong
+    zero_lanes = ch00.EXERCISES["0.2"].rule("never win the max").wrong
+    no_mask = ch00.EXERCISES["0.2"].rule("mask the load").wrong
     assert "other=float('-inf')" in ch00.check_block_max(zero_lanes).first_problem
     assert "mask=offsets < n" in ch00.check_block_max(no_mask).first_problem
 
 
 @needs_triton
 def test_the_right_numbers_without_a_kernel_fail():
-    for number, check in (("0.1", ch00.check_leaky_relu), ("0.2", ch00.check_block_max)):
-        in_torch = ch00.EXERCISES[number].wrong[-1]
+    for in_torch, check in ((ch00._leaky_in_torch, ch00.check_leaky_relu),
+                            (ch00._max_in_torch, ch00.check_block_max)):
         verdict = check(in_torch)
         assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
         assert "; and" not in verdict.first_problem          # every case's numbers were right
@@ -84,3 +85,31 @@ def test_without_triton_a_stub_is_unattempted_and_an_answer_is_sent_elsewhere(mo
     assert not ch00.check_leaky_relu(stub).attempted
     verdict = ch00.check_leaky_relu(answer)
     assert verdict.attempted and not verdict.ok and "runs no Triton" in verdict.first_problem
+
+
+@needs_triton
+def test_a_kernel_that_hangs_is_stopped_and_named(monkeypatch):
+    """A Triton case runs under its own, longer deadline; one still running is named."""
+    import time
+
+    import triton
+    import triton.language as tl
+
+    import course_lib.exercises as ex_pkg
+
+    @triton.jit
+    def endless(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+        i = 0
+        while i < n:                        # i never moves: the loop never ends
+            i = i * 1
+        tl.store(out_ptr + tl.arange(0, BLOCK_SIZE), tl.load(x_ptr + tl.arange(0, BLOCK_SIZE)))
+
+    def leaky_relu(x, out, alpha, block_size):
+        endless[(1,)](x, out, x.numel(), BLOCK_SIZE=block_size)
+
+    monkeypatch.setattr(ex_pkg, "TRITON_CASE_SECONDS", 0.5)
+    start = time.monotonic()
+    verdict = ch00.check_leaky_relu(leaky_relu)
+    assert time.monotonic() - start < 10
+    assert verdict.first_problem.startswith("n=1, block_size=4")
+    assert "still running after 0.5 s" in verdict.first_problem

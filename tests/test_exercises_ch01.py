@@ -35,7 +35,8 @@ def test_gqa_checker_accepts_any_correct_answer():
 
 
 def test_gqa_checker_names_the_mistake():
-    round_robin, future = ch01.EXERCISES["1.2"].wrong
+    round_robin = ch01.EXERCISES["1.2"].rule("reads KV head").wrong
+    future = ch01.EXERCISES["1.2"].rule("0..t only").wrong
     assert "h // (num_heads // num_kv_heads)" in ch01.check_gqa_decode(round_robin).first_problem
     assert "only the cache as it is" in ch01.check_gqa_decode(future).first_problem
 

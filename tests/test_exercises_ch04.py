@@ -17,6 +17,8 @@ needs_triton = pytest.mark.skipif(not BACKEND.uses_triton, reason="the kernels n
 
 def test_every_case_has_nan_in_the_free_slots_and_minus_one_past_the_table():
     for c in ch04.gather_cases() + ch04.decode_cases():
+        if c["key_cache"].shape[0] > ch04.HUGE_PAGE:
+            continue                      # the 64-bit case: test_the_64_bit_case_is_virtual
         bs, n = c["block_size"], c["seq_len"]
         table = c["table"].tolist()
         assert table[-2:] == [-1, -1] and len(table) == cdiv(n, bs) + 2
@@ -32,6 +34,21 @@ def test_every_case_has_nan_in_the_free_slots_and_minus_one_past_the_table():
             c["head_dim"] * 4
 
 
+def test_the_64_bit_case_passes_2_31_and_stays_virtual():
+    """4.1's last case: a slot whose element offset passes 2**31 (an int32 page index
+    overflows), in a cache of which only the sequence's slots were written."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    c = ch04.huge_case()
+    row = c["heads"] * c["head_dim"]
+    first = int(c["table"][0]) * c["block_size"] * row
+    assert first >= 2**31 and c["key_cache"].numel() >= 2**31
+    assert c["value_cache"].data_ptr() - c["key_cache"].data_ptr() == 8 * c["block_size"] * row * 4
+    assert torch.equal(c["key_cache"][int(c["table"][0]), 0], c["k"][0])
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 2**10  # KiB
+
+
 def test_the_decode_cases_include_the_edges():
     cases = ch04.decode_cases()
     assert any(c["seq_len"] == 1 for c in cases)
@@ -44,10 +61,12 @@ def test_the_decode_cases_include_the_edges():
 
 @needs_triton
 def test_wrong_kernels_are_told_the_idea_they_missed():
-    forgets_rescale, unmasked_v, _ = ch04.EXERCISES["4.2"].wrong
+    forgets_rescale = ch04.EXERCISES["4.2"].rule("rescaled").wrong
+    unmasked_v = ch04.EXERCISES["4.2"].rule("mask the K and V").wrong
     assert "exp(m - m_new)" in ch04.check_decode_one_head(forgets_rescale).first_problem
     assert "mask the K and V" in ch04.check_decode_one_head(unmasked_v).first_problem
-    logical, table_as_slot, _ = ch04.EXERCISES["4.1"].wrong
+    logical = ch04.EXERCISES["4.1"].rule("read through block_table").wrong
+    table_as_slot = ch04.EXERCISES["4.1"].rule("the table holds blocks").wrong
     for wrong in (logical, table_as_slot):
         assert "a slot the sequence does not own" in ch04.check_gather_kv(wrong).first_problem
 
@@ -64,10 +83,10 @@ def test_decode_names_a_missing_scale():
 
 @needs_triton
 def test_torch_or_the_course_kernel_is_not_an_answer():
-    in_torch = ch04.EXERCISES["4.1"].wrong[-1]
+    in_torch = ch04._gather_in_torch
     verdict = ch04.check_gather_kv(in_torch)
     assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
-    course = ch04.EXERCISES["4.2"].wrong[-1]
+    course = ch04._decode_with_course_kernel
     verdict = ch04.check_decode_one_head(course)
     assert verdict.passed == 0 and "only the course's kernels" in verdict.first_problem
     assert "course_lib.kernels.paged_decode" in verdict.first_problem

@@ -100,9 +100,9 @@ def test_a_learner_exception_is_a_verdict_not_a_crash():
 
 
 def test_judge_cases_checkers_still_explain_in_the_learner_terms():
-    verdict = ch12.check_free_queue_after(lambda q, t: None)
-    assert "a list of block ids (front first) was expected" in verdict.first_problem
-    verdict = ch12.check_free_queue_after(lambda q, t: 1 / 0)
-    assert "freeing" in verdict.first_problem and "ZeroDivisionError" in verdict.first_problem
+    verdict = ch12.check_free_queue_predictions(lambda: None)
+    assert "not a dict {scenario: prediction}" in verdict.first_problem
+    verdict = ch12.check_free_queue_predictions(lambda: 1 / 0)
+    assert "freed" in verdict.first_problem and "ZeroDivisionError" in verdict.first_problem
     verdict = ch12.check_radix_hit(lambda p, e, ps: 0)
     assert "longest common prefix" in verdict.first_problem

@@ -57,7 +57,8 @@ def test_merge_checker():
     fail on the cases that show their mistake."""
     verdict = ch04.check_merge_attn_states(reference.merge_attn_states)
     assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
-    average, nan_on_empty, _ = ch04.EXERCISES["4.3"].wrong
+    average = ch04.EXERCISES["4.3"].rule("share of the union").wrong
+    nan_on_empty = ch04.EXERCISES["4.3"].rule("both ranges empty").wrong
     assert ch04.check_merge_attn_states(average).passed <= 2
     verdict = ch04.check_merge_attn_states(nan_on_empty)     # NaN when both are empty
     assert verdict.passed == verdict.total - 1 and "-inf - -inf" in verdict.first_problem

@@ -11,19 +11,77 @@ The generic :func:`check` lives here; each chapter's exercise cases and checkers
 from __future__ import annotations
 
 import copy
+import math
+import signal
+import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
+
+CASE_SECONDS = 5.0            # a case that runs longer is reported as hung (plain Python)
+TRITON_CASE_SECONDS = 120.0   # the same for a Triton case (the interpreter is slow on a CPU)
+_COMPARE_WITH: dict[str, str] = {}   # exercise number -> what to read once it passes
+
+
+class CaseTimeout(BaseException):
+    """Raised in a case that ran past its deadline. A ``BaseException``, so that a learner's
+    ``except Exception`` cannot swallow it."""
+
+
+@contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Within the block, raise :class:`CaseTimeout` after ``seconds`` of wall-clock time.
+
+    Uses ``SIGALRM`` (a Jupyter cell, like pytest, runs in the main thread); elsewhere (another
+    thread, or Windows) the block runs without a deadline. An enclosing deadline is restored."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+            signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CaseTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - seconds, 0.001))
+
+
+def hung(what: str, seconds: float, left: int, before: str | None = None) -> str:
+    """The problem of a case that ran past its deadline, naming the case (``before``: the
+    first problem of an earlier case, if any)."""
+    rest = f"; the {left} case(s) after it were not run" if left else ""
+    earlier = f"; an earlier case: {before}" if before else ""
+    return (f"{what}: still running after {seconds:g} s, so it was stopped (a loop that never "
+            f"ends? check the condition that should end it){rest}{earlier}")
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """A checker's answer: how many cases passed, the first problem in words, and (for the
+    tests) every case run and every case failed, described as the learner sees them."""
+
     exercise: str
     passed: int
     total: int
     first_problem: str | None = None  # None when every case passed
     attempted: bool = True
+    cases: tuple[str, ...] = field(default=(), compare=False)   # every case run, described
+    failed: tuple[str, ...] = field(default=(), compare=False)  # the cases that failed
+
+    @property
+    def number(self) -> str:
+        """The exercise's number: ``"3.1"`` of ``"3.1 block manager"``."""
+        return self.exercise.split()[0]
 
     @property
     def ok(self) -> bool:
@@ -33,7 +91,9 @@ class Verdict:
         if not self.attempted:
             return f"exercise {self.exercise}: not attempted yet (it raises NotImplementedError)"
         if self.ok:
-            return f"exercise {self.exercise}: all {self.total} cases match the library"
+            after = _COMPARE_WITH.get(self.number)
+            return (f"exercise {self.exercise}: all {self.total} cases match the library"
+                    + (f"; now compare with {after}" if after else ""))
         return (f"exercise {self.exercise}: {self.passed}/{self.total} cases match the library; "
                 f"first difference: {self.first_problem}")
 
@@ -52,14 +112,21 @@ def check(exercise: str, learner: Callable[..., Any], reference: Callable[..., A
           cases: Iterable[Sequence[Any]], compare: Callable[[Any, Any], bool] = same) -> Verdict:
     """Call ``learner(*case)`` and ``reference(*case)`` for each case and compare the results."""
     cases = list(cases)
-    passed, first_problem = 0, None
-    for case in cases:
+    passed, first_problem, failed = 0, None, []
+    described = tuple(args_text(case) for case in cases)
+    for i, case in enumerate(cases):
         args = ", ".join(map(repr, case))
         want = reference(*case)
         try:
-            got = learner(*case)
+            with deadline(CASE_SECONDS):
+                got = learner(*case)
         except NotImplementedError:
             return Verdict(exercise, 0, len(cases), attempted=False)
+        except CaseTimeout:
+            failed.append(described[i])
+            return Verdict(exercise, passed, len(cases),
+                           hung(f"({args})", CASE_SECONDS, len(cases) - i - 1, first_problem),
+                           cases=described, failed=tuple(failed))
         except Exception as exc:  # a learner's bug is a verdict, not a crash of the notebook
             got, ok = None, False
             problem = f"({args}) raised {type(exc).__name__}: {exc}"
@@ -68,9 +135,11 @@ def check(exercise: str, learner: Callable[..., Any], reference: Callable[..., A
             problem = f"({args}) returned {got!r}, the library returns {want!r}"
         if ok:
             passed += 1
-        elif first_problem is None:
-            first_problem = problem
-    return Verdict(exercise, passed, len(cases), first_problem)
+        else:
+            failed.append(described[i])
+            first_problem = first_problem or problem
+    return Verdict(exercise, passed, len(cases), first_problem, cases=described,
+                   failed=tuple(failed))
 
 
 def args_text(case: Sequence[Any]) -> str:
@@ -87,7 +156,7 @@ def returns(judge: Callable[[Any, Any], str | None]) -> Callable[[Callable, Any]
 def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any],
                 judge: Callable[[Callable, Any], str | None],
                 describe: Callable[[Any], str] = args_text, *,
-                needs_triton: bool = False) -> Verdict:
+                needs_triton: bool = False, seconds: float | None = None) -> Verdict:
     """The checker of the exercises where a learner writes a function.
 
     ``judge(learner, case)`` runs the learner on one case and returns the problem in words, or
@@ -99,29 +168,96 @@ def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any]
     ``needs_triton``: the learner writes a Triton kernel. Where Triton does not run, anything
     but the stub is told to move to a Triton backend; where it runs, an answer that launched
     no ``@triton.jit`` kernel of its own (it computed in torch, or called the course's kernels)
-    fails whatever it returned (see :mod:`course_lib.exercises.launches`)."""
+    fails whatever it returned (see :mod:`course_lib.exercises.launches`).
+
+    Each case runs under a deadline, ``seconds`` (default :data:`CASE_SECONDS`, or
+    :data:`TRITON_CASE_SECONDS` for a Triton exercise): a case still running then is stopped,
+    and the verdict names it (the cases after it are not run)."""
     from course_lib.exercises import launches  # loads the device (torch) only to check
 
-    passed, first = 0, None
+    passed, first, failed = 0, None, []
+    described = tuple(describe(case) for case in cases)
+    seconds = seconds or (TRITON_CASE_SECONDS if needs_triton else CASE_SECONDS)
     with launches.recorded() as kernels, warnings.catch_warnings():
         # the interpreter computes with numpy, which warns where a GPU quietly gives inf/NaN
         # (log(0), -inf - -inf): the verdict, not the warning, tells the learner
         warnings.simplefilter("ignore", RuntimeWarning)
         for i, case in enumerate(cases):
+            launches.new_case()
             try:
-                problem = judge(learner, case)
+                with deadline(seconds):
+                    problem = judge(learner, case)
             except NotImplementedError:
                 return Verdict(exercise, 0, len(cases), attempted=False)
+            except CaseTimeout:
+                failed.append(described[i])
+                return Verdict(exercise, passed, len(cases),
+                               hung(described[i], seconds, len(cases) - i - 1, first),
+                               cases=described, failed=tuple(failed))
             except Exception as exc:  # a learner's bug is a verdict, not a crash
-                problem = f"{describe(case)}: raised {type(exc).__name__}: {exc}"
+                exc = launches.out_of_bounds_in(exc) or exc
+                problem = f"{described[i]}: raised {type(exc).__name__}: {exc}"
             if i == 0 and needs_triton and not launches.triton_runs():
                 return Verdict(exercise, 0, len(cases), launches.no_triton())
             passed += problem is None
+            if problem is not None:
+                failed.append(described[i])
             first = first or problem
     if needs_triton and not launches.own(kernels):
         return Verdict(exercise, 0, len(cases), launches.not_a_kernel(kernels)
-                       + (f"; and {first}" if first else ""))
-    return Verdict(exercise, passed, len(cases), first)
+                       + (f"; and {first}" if first else ""), cases=described,
+                       failed=described)
+    return Verdict(exercise, passed, len(cases), first, cases=described, failed=tuple(failed))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One scenario of a predict-then-run exercise: ``key`` names it in the learner's answer,
+    ``text`` says it in the statement's words, ``run()`` plays it on the library and returns
+    the number the learner predicts."""
+    key: str
+    text: str
+    run: Callable[[], Any]
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.text})"
+
+
+def judge_predictions(exercise: str, learner: Callable[[], Any],
+                      scenarios: Sequence[Scenario]) -> Verdict:
+    """The checker of a predict-then-run exercise: ``learner()`` returns a dict of predictions
+    ``{key: number}``; each scenario is run on the library and compared with its prediction
+    (to float precision where the library's number is a float).
+    A wrong prediction is told with the library's value (the answer is committed by then); a
+    missing one is told without it."""
+    def judge(learner: Callable[[], Any], scenario: Scenario) -> str | None:
+        got = learner()
+        if not isinstance(got, dict):
+            return f"{scenario}: returned {got!r:.60}, not a dict {{scenario: prediction}}"
+        if scenario.key not in got:
+            return f"{scenario}: no prediction for {scenario.key!r}"
+        want, mine = scenario.run(), got[scenario.key]
+        close = (isinstance(want, float) and isinstance(mine, int | float)
+                 and math.isclose(mine, want, rel_tol=1e-9, abs_tol=1e-12))
+        if isinstance(mine, bool) or not (close or mine == want):
+            said = f"{want:.4g}" if isinstance(want, float) else repr(want)
+            return f"{scenario}: you predicted {mine!r}, the library gives {said}"
+        return None
+
+    return judge_cases(exercise, learner, scenarios, judge, str)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule an exercise's statement states, and how its checker holds the learner to it.
+
+    * ``text``: the rule, in the statement's words;
+    * ``case``: the case that pins it, as the checker describes it (``Verdict.cases``), or a
+      part of that description that only this case's has;
+    * ``wrong``: an answer right but for this rule, which must fail that case (tested)."""
+    text: str
+    case: str
+    wrong: Callable[..., Any] | type
 
 
 @dataclass(frozen=True)
@@ -129,15 +265,19 @@ class Exercise:
     """One exercise, as the tests and the notebook helpers see it.
 
     * ``checker(answer) -> Verdict``: the learner's function (or class) against the library;
-    * ``hints``: graded, from a nudge to nearly the answer; the last one names the course's own
-      code to read once it is solved;
+    * ``hints``: graded, from a nudge to nearly the answer; they point to ideas, never to the
+      library function that is the answer;
     * ``solution``: a solution as a learner would write it (not a call into the library), shown
       by :meth:`show_solution` only when asked;
     * ``wrong``: plausible wrong answers, each of which the checker must fail (tested, with a
       first difference that says what went wrong);
     * ``trivial``: answers that do nothing (return ``None`` or a constant), which must fail;
     * ``needs_triton``: the learner writes a Triton kernel, so the solution runs only where
-      Triton does (the tests skip it under ``COURSE_BACKEND=torch-reference``).
+      Triton does (the tests skip it under ``COURSE_BACKEND=torch-reference``);
+    * ``rules``: every rule the statement states, each with the case that pins it and the wrong
+      answer that drops it (its wrong answer joins ``wrong``);
+    * ``compare_with``: the course's (or a system's) code to read once the checker passes: the
+      verdict of a pass says it, the hints do not.
     """
     number: str
     title: str
@@ -147,10 +287,24 @@ class Exercise:
     wrong: tuple[Callable[..., Any] | type, ...] = ()
     trivial: tuple[Callable[..., Any] | type, ...] = (lambda *a, **k: None,)
     needs_triton: bool = False
+    rules: tuple[Rule, ...] = ()
+    compare_with: str | None = None
 
     def __post_init__(self) -> None:
         if not self.hints:
             raise ValueError(f"exercise {self.number} needs at least one hint")
+        extra = tuple(r.wrong for r in self.rules if r.wrong not in self.wrong)
+        object.__setattr__(self, "wrong", self.wrong + extra)
+        if self.compare_with:
+            _COMPARE_WITH[self.number] = self.compare_with
+
+    def rule(self, words: str) -> Rule:
+        """The one rule whose text contains ``words``."""
+        found = [r for r in self.rules if words in r.text]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} rules of {self.number} say {words!r}; its rules: "
+                           + "; ".join(r.text for r in self.rules))
+        return found[0]
 
 
 class Exercises:
@@ -195,11 +349,35 @@ class Exercises:
         print(self.solution(number))
 
     def solution(self, number: str) -> str:
-        """The solution of exercise ``number``, as source code."""
+        """The solution of exercise ``number``, as source code: the ``@triton.jit`` kernels it
+        launches first (the kernel is the exercise), then the function or class."""
         import inspect
         import textwrap
 
-        return textwrap.dedent(inspect.getsource(self[number].solution))
+        answer = self[number].solution
+        code = textwrap.dedent(inspect.getsource(answer))
+        return "\n\n".join([*jit_kernels_of(answer), code])
+
+
+def jit_kernels_of(answer: Callable[..., Any] | type) -> list[str]:
+    """The source of each ``@triton.jit`` function of ``answer``'s module that ``answer`` names,
+    found in the module's text (so also where Triton does not run and the kernels are not
+    defined)."""
+    import ast
+    import inspect
+    import sys
+    import textwrap
+
+    names = set(getattr(getattr(answer, "__code__", None), "co_names", ()))
+    source = inspect.getsource(sys.modules[answer.__module__])
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name in names and any(
+                "jit" in ast.unparse(d) for d in node.decorator_list):
+            first = min(d.lineno for d in node.decorator_list)
+            lines = source.splitlines()[first - 1:node.end_lineno]
+            found.append(textwrap.dedent("\n".join(lines)))
+    return found
 
 
 def op_text(op: tuple) -> str:
@@ -217,27 +395,42 @@ def replay_ops(name: str, cases: Sequence[tuple], learner: type, reference: type
     observes the state) must be equal for both. A case stops at its first difference; the
     first one found is told by ``explain(setup, ops, i, got, want)``. A learner's exception is
     an outcome (``"raises Type: message"``), ``NotImplementedError`` means not attempted."""
-    passed, problem = 0, None
-    for *setup, ops in cases:
+    passed, problem, failed = 0, None, []
+    described = tuple(args_text(case) for case in cases)
+    for c, (*setup, ops) in enumerate(cases):
         try:
-            mine = learner(*setup)
+            with deadline(CASE_SECONDS):
+                mine = learner(*setup)
         except NotImplementedError:
             return Verdict(name, 0, len(cases), attempted=False)
+        except CaseTimeout:
+            return Verdict(name, passed, len(cases), hung(
+                f"building it with {tuple(setup)}", CASE_SECONDS, len(cases) - c - 1, problem),
+                cases=described, failed=(*failed, described[c]))
         ref = reference(*setup)
         for i in range(len(ops)):
             want = outcome(ref, tuple(setup), ops, i)
             try:
-                got = outcome(mine, tuple(setup), ops, i)
+                with deadline(CASE_SECONDS):
+                    got = outcome(mine, tuple(setup), ops, i)
             except NotImplementedError:
                 return Verdict(name, 0, len(cases), attempted=False)
+            except CaseTimeout:
+                failed.append(described[c])
+                before = ", ".join(map(op_text, ops[:i])) or "nothing"
+                return Verdict(name, passed, len(cases), hung(
+                    f"setup {tuple(setup)}, after {before}: op {i} {op_text(ops[i])}",
+                    CASE_SECONDS, len(cases) - c - 1, problem), cases=described,
+                    failed=tuple(failed))
             except Exception as exc:   # a learner's bug is a verdict, not a crash
                 got = f"raises {type(exc).__name__}: {exc}"
             if got != want:
                 problem = problem or explain(tuple(setup), ops, i, got, want)
+                failed.append(described[c])
                 break
         else:
             passed += 1
-    return Verdict(name, passed, len(cases), problem)
+    return Verdict(name, passed, len(cases), problem, cases=described, failed=tuple(failed))
 
 
 def pool_history(difference: Callable[[Any, Any], str]

@@ -5,8 +5,11 @@ The learner writes a ``@triton.jit`` kernel and the function that launches it. E
 hands that function its inputs as the first ``n`` elements of a longer buffer whose tail holds
 NaN (+inf for a maximum, which skips NaN): what a lane past the end would read; and an output
 that is the head of a buffer whose tail holds a sentinel, which a lane past the end would
-overwrite. It runs the edge cases, then
-random lengths from a fixed seed, and names the first element that differs and the likely cause.
+overwrite. In the interpreter a load outside the tensors the kernel was handed is
+stopped before it reads (so an unmasked load fails even where its lanes are not stored), and
+``out`` must hold what the learner's kernel left in it (:mod:`course_lib.exercises.launches`).
+It runs the edge cases, then random lengths from a fixed seed, and names the first element that
+differs and the likely cause.
 
 Under ``torch-reference`` there is no Triton: an unsolved stub is still reported as not
 attempted, and anything else is told to run on a Triton backend.
@@ -20,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from course_lib.device import BACKEND
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, judge_cases, launches
 from course_lib.exercises.solutions import ch00 as solutions
 from course_lib.sizing.units import cdiv
 
@@ -67,6 +70,8 @@ def _judge_leaky_relu(learner: Callable, case: tuple) -> str | None:
     want = torch.where(values > 0, values, alpha * values)
     got, tail = out.cpu(), out_buf[n:].cpu()
     where = f"n={n}, block_size={bs}"
+    if problem := launches.not_from_kernel(out, "out"):
+        return f"{where}: {problem}"
     if not torch.equal(x.cpu(), values):
         return f"{where}: the kernel changed x (store into out_ptr, not x_ptr)"
     if (tail != SENTINEL).any():
@@ -114,6 +119,8 @@ def _judge_block_max(learner: Callable, case: tuple) -> str | None:
     x, _ = padded(values, float("inf"))    # NaN would not show: tl.max skips NaN
     out, out_buf = padded(torch.full((programs,), float("nan")), SENTINEL)
     learner(x, out, bs)
+    if problem := launches.not_from_kernel(out, "out"):
+        return f"n={n}, block_size={bs}: {problem}"
     padded_values = torch.cat([values, torch.full((programs * bs - n,), float("-inf"))])
     want = padded_values.view(programs, bs).max(dim=1).values
     got, tail = out.cpu(), out_buf[programs:].cpu()
@@ -159,6 +166,22 @@ if BACKEND.uses_triton:
         tl.store(out_ptr + offsets, tl.where(x > 0, x, alpha * x))   # no mask
 
     @triton.jit
+    def _leaky_unmasked_load(x_ptr, out_ptr, n, alpha, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(x_ptr + offsets)                                  # reads past n
+        tl.store(out_ptr + offsets, tl.where(x > 0, x, alpha * x), mask=offsets < n)
+
+    @triton.jit
+    def _leaky_plain_relu(x_ptr, out_ptr, n, alpha, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        x = tl.load(x_ptr + offsets, mask=offsets < n)
+        tl.store(out_ptr + offsets, tl.maximum(x, 0.0), mask=offsets < n)   # alpha forgotten
+
+    @triton.jit
+    def _does_nothing(x_ptr, out_ptr):
+        pass
+
+    @triton.jit
     def _max_other_zero(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)     # 0 can win the max
@@ -183,6 +206,30 @@ def _leaky_no_store_mask(x, out, alpha, block_size):
     _leaky_unmasked_store[(cdiv(n, block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
 
 
+def _leaky_no_load_mask(x, out, alpha, block_size):
+    n = x.numel()
+    _leaky_unmasked_load[(cdiv(n, block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
+
+
+def _leaky_relu_only(x, out, alpha, block_size):
+    n = x.numel()
+    _leaky_plain_relu[(cdiv(n, block_size),)](x, out, n, alpha, BLOCK_SIZE=block_size)
+
+
+def _leaky_noop_then_torch(x, out, alpha, block_size):
+    """Wrong for this exercise: a kernel that does nothing is launched on out, then torch
+    writes the right numbers into out."""
+    _does_nothing[(1,)](x, out)
+    out.copy_(torch.where(x > 0, x, alpha * x))
+
+
+def _max_noop_then_torch(x, out, block_size):
+    """Wrong for this exercise: a kernel that does nothing, then the maxima from torch."""
+    _does_nothing[(1,)](x, out)
+    for b in range(out.numel()):
+        out[b] = x[b * block_size:(b + 1) * block_size].max()
+
+
 def _leaky_in_torch(x, out, alpha, block_size):
     """Wrong for this exercise: the right numbers, but no kernel."""
     out.copy_(torch.where(x > 0, x, alpha * x))
@@ -204,26 +251,41 @@ def _max_no_mask(x, out, block_size):
 
 EXERCISES = Exercises(
     Exercise("0.1", "a masked elementwise kernel", check_leaky_relu, hints=(
-        "Copy the shape of _add_kernel (the source is in course_lib/kernels/smoke.py): "
+        "Copy the shape of _add_kernel, shown above the exercise: "
         "tl.program_id(0) says which block this program owns, offsets = pid * BLOCK_SIZE + "
         "tl.arange(0, BLOCK_SIZE) are its lanes.",
         "tl.where(x > 0, x, alpha * x) is the elementwise choice. The lanes with offsets >= n "
         "must neither load nor store: pass mask=offsets < n to tl.load and tl.store.",
         "Launch with leaky_relu_kernel[grid](x, out, n, alpha, BLOCK_SIZE=block_size) where "
         "grid = ((n + block_size - 1) // block_size,): the ceiling, or the last, partial block "
-        "has no program. smoke.num_programs is the course's version.",
-    ), solution=solutions.leaky_relu,
-        wrong=(_leaky_floor_grid, _leaky_no_store_mask, _leaky_in_torch),
-        needs_triton=True),
+        "has no program.",
+    ), solution=solutions.leaky_relu, wrong=(_leaky_in_torch,), needs_triton=True, rules=(
+        Rule("out[i] = x[i] where x[i] > 0, alpha * x[i] otherwise", "n=4, block_size=4",
+             _leaky_relu_only),
+        Rule("one program per block of block_size: ceil(n / block_size) of them, n mostly not "
+             "a multiple", "n=5, block_size=4", _leaky_floor_grid),
+        Rule("out is followed by memory the kernel must not write: mask the store",
+             "n=3, block_size=4", _leaky_no_store_mask),
+        Rule("x is followed by NaN: a lane past n must not load (mask the load)",
+             "n=3, block_size=4", _leaky_no_load_mask),
+        Rule("a Triton kernel computes out (not torch around a launch)", "n=1, block_size=4",
+             _leaky_noop_then_torch),
+    ), compare_with="num_programs in course_lib/kernels/smoke.py, the grid of _add_kernel"),
     Exercise("0.2", "maximum of each block", check_block_max, hints=(
         "One program per block again, and one value out per program: tl.max(x, axis=0) "
         "reduces the block's lanes to a scalar, stored at out_ptr + pid.",
         "A masked-off lane must lose the max: tl.load(..., mask=offsets < n, other=...) "
         "fills it with `other`. What value can never be the maximum? (0.0 can.)",
-        "other=float('-inf'). Chapter 04's decode kernel starts its running maximum the same "
-        "way: read m_i in course_lib/kernels/paged_decode.py once this passes.",
-    ), solution=solutions.block_max, wrong=(_max_zero_lanes, _max_no_mask, _max_in_torch),
-        needs_triton=True),
+        "other=float('-inf'): the one value no element can lose to.",
+    ), solution=solutions.block_max, wrong=(_max_in_torch,), needs_triton=True, rules=(
+        Rule("masked-off lanes must never win the max (a block of negatives)",
+             "n=5, block_size=4", _max_zero_lanes),
+        Rule("x is followed by memory the kernel must not read: mask the load",
+             "n=3, block_size=4", _max_no_mask),
+        Rule("a Triton kernel computes the maxima (not torch around a launch)",
+             "n=1, block_size=4", _max_noop_then_torch),
+    ), compare_with="m_i in course_lib/kernels/paged_decode.py: chapter 04's decode kernel "
+                    "starts its running maximum at -inf the same way"),
 )
 
 

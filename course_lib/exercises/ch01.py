@@ -15,7 +15,15 @@ from collections.abc import Callable
 
 import torch
 
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Verdict,
+    judge_cases,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.ch01_batch import (
     WRONG_IDEAS,
     check_max_batch_size,
@@ -235,21 +243,58 @@ EXERCISES = Exercises(
         "attention heads); no head_dim (or null) means hidden_size // num_attention_heads. "
         "config.get(key) returns None for a missing key.",
         "On one rank: max(1, num_kv_heads // tensor_parallel_size) KV heads. A config with "
-        "kv_lora_rank is MLA: num_layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes "
-        "on every rank. Then read kv_heads_per_rank and kv_bytes_per_token_per_layer in "
-        "course_lib/capacity.py.",
+        "kv_lora_rank is MLA: num_layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes on "
+        "every rank.",
     ), solution=solutions.kv_bytes_from_config,
-        wrong=(_ignores_tp, _no_replication, _mla_split_by_tp)),
+        rules=(
+        Rule("each rank caches only its share of the KV heads, num_kv_heads // TP",
+             "config {'num_hidden_layers': 32, 'num_attention_heads': 32, 'hidden_size': 4096, 'he",
+             _ignores_tp),
+        Rule("past num_kv_heads ranks the heads are replicated: at least one KV head a rank",
+             "config {'num_hidden_layers': 80, 'num_attention_heads': 64, 'num_key_value_heads': "
+             "8, 'hidden_size': 8192, 'torc",
+             _no_replication),
+        Rule("MLA caches one latent per token and layer, the same on every rank",
+             "config {'num_hidden_layers': 61, 'num_attention_heads': 128, 'num_key_value_heads': "
+             "128, 'hidden_size': 16384, 'head_dim': 128, 'torch_dtype': 'bfloat16', "
+             "'kv_lora_rank': 512, 'qk_rope_head_dim': 64}, tensor_parallel_size 8",
+             _mla_split_by_tp),
+        Rule("a missing num_key_value_heads means MHA: as many as num_attention_heads",
+             "config {'num_hidden_layers': 32, 'num_attention_heads': 32, 'hidden_size': 4096, 'to",
+             rule_wrongs.kv_bytes_missing_kv_is_one),
+        Rule("head_dim is hidden_size // num_attention_heads only when missing or None",
+             "config {'num_hidden_layers': 28, 'num_attention_heads': 16, 'num_key_value_heads': "
+             "16, 'hidden_size': 3072, 'head_dim': 256, 'torch_dtype': 'bfloat16'}, "
+             "tensor_parallel_size 1",
+             rule_wrongs.kv_bytes_head_dim_from_hidden),
+        Rule("torch_dtype's bytes: float32 is 4",
+             "config {'num_hidden_layers': 28, 'num_attention_heads': 28, 'num_key_value_heads': "
+             "4, 'hidden_size': 3584, 'head_dim': 128, 'torch_dtype': 'floa",
+             rule_wrongs.kv_bytes_two_bytes),
+    ), compare_with=(
+        "kv_heads_per_rank and kv_bytes_per_token_per_layer in course_lib/capacity.py")),
     Exercise("1.2", "a decode loop with a GQA cache", check_gqa_decode, hints=(
         "Start from decode_with_cache above. Each step projects only token t: x[t] @ Wk is "
         "num_kv_heads x head_dim numbers, .view(num_kv_heads, head_dim) makes them the "
         "cache's new row; head_dim = Wq.shape[1] // num_heads.",
         "Query head h reads KV head h // (num_heads // num_kv_heads): the group of "
         "num_heads // num_kv_heads neighbouring query heads shares one KV head.",
-        "Per step and query head: softmax(K[:, g] @ q[h] / sqrt(head_dim)) @ V[:, g] over the "
-        "t + 1 cached rows; concatenate the heads. Then read dense_attention in "
-        "course_lib/kernels/reference.py (repeat_interleave does the grouping).",
-    ), solution=solutions.decode_with_gqa_cache, wrong=(_heads_round_robin, _sees_the_future)),
+        "Per step and query head: softmax(K[:, g] @ q[h] / sqrt(head_dim)) @ V[:, g] over the t +"
+        " 1 cached rows; concatenate the heads.",
+    ), solution=solutions.decode_with_gqa_cache, rules=(
+        Rule("query head h reads KV head h // (num_heads // num_kv_heads)",
+             "7 tokens, 4 ",
+             _heads_round_robin),
+        Rule("step t attends over the cached tokens 0..t only",
+             "6 tokens, 4 ",
+             _sees_the_future),
+        Rule("scores scaled by 1 / sqrt(head_dim)",
+             "6 tokens, 4 query heads, 4 KV heads",
+             rule_wrongs.gqa_decode_unscaled),
+    ),
+        compare_with=(
+        "dense_attention in course_lib/kernels/reference.py (repeat_interleave does the "
+        "grouping)")),
     Exercise("1.3", "the largest batch one GPU serves, from config.json", check_max_batch_size,
              hints=(
         "Two parts: the weights' bytes (parameters x dtype bytes, paid once) and the cache of "
@@ -260,11 +305,39 @@ EXERCISES = Exercises(
         "(num_key_value_heads x head_dim), gate_proj, up_proj and down_proj hidden_size x "
         "intermediate_size, two RMSNorm weights of hidden_size; a final norm; lm_head "
         "vocab_size x hidden_size unless tie_word_embeddings.",
-        "Memory is round(gpu_memory_gib x 2**30) bytes; if the weights take more, 0. Then "
-        "read the modules of course_lib/model/llama.py (Attention, MLP, DecoderLayer, "
-        "TinyLlama), the model these shapes build, and weights_kv_crossing_tokens in "
-        "course_lib/viz/capacity.py.",
-    ), solution=solutions.max_batch_size, wrong=tuple(w for w, _ in WRONG_IDEAS)),
+        "Memory is round(gpu_memory_gib x 2**30) bytes; if the weights take more, 0.",
+    ), solution=solutions.max_batch_size, rules=(
+        Rule("the MLP has gate_proj, up_proj and down_proj",
+             "config {'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336, "
+             "'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, "
+             "'head_dim': 128, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16'}, 80 G",
+             tuple(w for w, _ in WRONG_IDEAS)[0]),
+        Rule("GQA makes k_proj and v_proj smaller than q_proj",
+             "config {'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336, "
+             "'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, "
+             "'head_dim': 128, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16'}, 80 G",
+             tuple(w for w, _ in WRONG_IDEAS)[1]),
+        Rule("a tied lm_head is the embedding matrix, stored once",
+             "config {'vocab_size': 128256, 'hidden_size': 2048, 'intermediate_size': 8192, "
+             "'num_hidden_layers': 16, 'num_attention_heads': 32, 'num_key_value_heads': 8, "
+             "'head_dim': 64, 'tie_word_embeddings': True, 'torch_dtype': 'bfloat16'}, 24 ",
+             tuple(w for w, _ in WRONG_IDEAS)[2]),
+        Rule("1 GiB is 2**30 bytes",
+             "config {'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336, "
+             "'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, "
+             "'head_dim': 128, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16'}, 80 G",
+             tuple(w for w, _ in WRONG_IDEAS)[3]),
+        Rule("0 when the weights alone do not fit",
+             "config {'vocab_size': 128256, 'hidden_size': 819",
+             rule_wrongs.max_batch_negative),
+        Rule("two RMSNorm weights a layer, and a final RMSNorm",
+             "config {'vocab_size': 128256, 'hidden_size': 4096, 'intermediate_size': 14336, "
+             "'num_hidden_layers': 32, 'num_attention_heads': 32, 'num_key_value_heads': 8, "
+             "'head_dim': 128, 'tie_word_embeddings': False, 'torch_dtype': 'bfloat16'}, 16 G",
+             rule_wrongs.max_batch_no_norms),
+    ), compare_with=(
+        "the modules of course_lib/model/llama.py (Attention, MLP, DecoderLayer, TinyLlama), the "
+        "model these shapes build, and weights_kv_crossing_tokens in course_lib/viz/capacity.py")),
 )
 
 

@@ -1,5 +1,5 @@
 """Chapter 02 exercises: where every slot of the KV cache goes (token states, reservation,
-internal and external fragmentation), and a first-fit allocator.
+internal and external fragmentation), and events that make a broken first-fit allocator fail.
 
 Each ``check_*`` runs the learner's function and the library's on the same cases (edge cases
 first, then random ones from a fixed seed) and returns a :class:`Verdict` that names the first
@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Verdict,
+    judge_cases,
+    returns,
+)
 from course_lib.exercises.solutions import ch02 as solutions
 from course_lib.sim.static import CATEGORIES, ContiguousAllocator, reservation
 from course_lib.sizing.units import cdiv
@@ -102,95 +110,132 @@ def check_split_memory(fn: Callable) -> Verdict:
     return judge_cases("2.1 split_memory", fn, split_cases(), returns(_judge_split), _split_text)
 
 
-def first_fit(num_slots: int, events: list[tuple[str, int]]) -> list[int | None]:
-    """Reference first-fit allocator over ``[0, num_slots)``.
+class RightMergeFirstFit:
+    """2.2's broken allocator, as the notebook shows it: first fit over a sorted list of holes,
+    whose ``free`` merges a freed range with the hole right after it and forgets the hole
+    right before it."""
 
-    events: ``("alloc", size)`` asks for ``size`` contiguous slots; ``("free", i)`` frees what
-    the event at index ``i`` (an earlier, successful "alloc") got. Returns, for each "alloc"
-    event in order, the start slot it got (the lowest hole that fits) or None.
-    """
-    alloc = ContiguousAllocator(num_slots)
-    starts: dict[int, int | None] = {}
+    def __init__(self, num_slots):
+        self.holes = [(0, num_slots)]          # (start, length), sorted by start
+
+    def allocate(self, size):
+        for i, (start, length) in enumerate(self.holes):
+            if length >= size:                 # the first hole long enough
+                if length == size:
+                    del self.holes[i]
+                else:
+                    self.holes[i] = (start + size, length - size)
+                return start
+        return None
+
+    def free(self, start, size):
+        for i, (s, n) in enumerate(self.holes):
+            if s == start + size:              # the hole right after the freed range
+                self.holes[i] = (start, size + n)
+                return
+        self.holes.append((start, size))
+        self.holes.sort()
+
+
+MAX_EVENTS = 200
+
+
+def _lowest_run(taken: list[bool], size: int) -> int | None:
+    """The lowest start of ``size`` free slots side by side, or None."""
+    run = 0
+    for slot, used in enumerate(taken):
+        run = 0 if used else run + 1
+        if run == size:
+            return slot - size + 1
+    return None
+
+
+def _invalid(num_slots: int, events) -> str | None:
+    """Why ``events`` cannot run on a correct first-fit allocator, or None."""
+    if not isinstance(events, (list, tuple)):
+        return f"returned {events!r:.60}, not a list of events"
+    if len(events) > MAX_EVENTS:
+        return f"{len(events)} events; keep it under {MAX_EVENTS}"
+    correct, got, freed = ContiguousAllocator(num_slots), {}, set()
+    for i, event in enumerate(events):
+        ok = (isinstance(event, (list, tuple)) and len(event) == 2 and event[0] in
+              ("alloc", "free") and isinstance(event[1], int) and not isinstance(event[1], bool))
+        if not ok or (event[0] == "alloc" and event[1] < 1):
+            return (f"event {i} {event!r} is neither ('alloc', size) with size >= 1 nor "
+                    "('free', i)")
+        kind, value = event
+        if kind == "alloc":
+            got[i] = correct.allocate(value)
+            continue
+        where = f"event {i} {tuple(event)!r} is not valid on a correct allocator: "
+        if value not in got:
+            return where + (f"event {value} is not an earlier alloc (a free names the alloc's "
+                            "index in events, not a slot)")
+        if got[value] is None:
+            return where + f"the alloc of event {value} got no slots, so nothing is freed"
+        if value in freed:
+            return where + f"the alloc of event {value} was freed already"
+        freed.add(value)
+        correct.free(got[value])
+    return None
+
+
+def _breaks(make: Callable[[int], Any], num_slots: int, events) -> tuple[int, int | None,
+                                                                         int | None] | None:
+    """The first alloc of ``make(num_slots)`` that breaks the rule: ``(event, got, lowest)``."""
+    alloc, taken, got = make(num_slots), [False] * num_slots, {}
     for i, (kind, value) in enumerate(events):
         if kind == "alloc":
-            starts[i] = alloc.allocate(value)
+            lowest, got[i] = _lowest_run(taken, value), alloc.allocate(value)
+            if got[i] != lowest:
+                return i, got[i], lowest
+            if got[i] is not None:
+                taken[got[i]:got[i] + value] = [True] * value
         else:
-            alloc.free(starts[value])
-    return list(starts.values())
+            alloc.free(got[value], events[value][1])
+            taken[got[value]:got[value] + events[value][1]] = [False] * events[value][1]
+    return None
 
 
-def _random_events(rng: random.Random, num_slots: int, n: int) -> list[tuple[str, int]]:
-    events: list[tuple[str, int]] = []
-    live: list[int] = []                      # indices of successful, not yet freed allocs
-    model, model_starts = ContiguousAllocator(num_slots), {}
-    for _ in range(n):
-        if live and rng.random() < 0.4:
-            i = live.pop(rng.randrange(len(live)))
-            events.append(("free", i))
-            model.free(model_starts[i])
-        else:
-            events.append(("alloc", rng.randrange(1, num_slots // 3 + 2)))
-            start = model.allocate(events[-1][1])
-            if start is not None:
-                live.append(len(events) - 1)
-                model_starts[len(events) - 1] = start
-    return events
+class _Correct:
+    """The library's allocator with the broken one's ``free(start, size)``."""
+
+    def __init__(self, num_slots):
+        self.inner = ContiguousAllocator(num_slots)
+
+    def allocate(self, size):
+        return self.inner.allocate(size)
+
+    def free(self, start, size):
+        self.inner.free(start)
 
 
-def first_fit_cases() -> list[tuple[int, list[tuple[str, int]]]]:
-    rng = random.Random(24)
-    cases = [
-        (10, [("alloc", 3), ("alloc", 4), ("alloc", 2), ("free", 1), ("alloc", 5),
-              ("alloc", 1)]),                                  # the chapter's strip
-        (10, [("alloc", 10), ("alloc", 1), ("free", 0), ("alloc", 1)]),
-        (8, [("alloc", 3), ("alloc", 3), ("free", 0), ("free", 1), ("alloc", 8)]),  # merges
-        (8, [("alloc", 2), ("alloc", 2), ("alloc", 2), ("free", 0), ("free", 2),
-             ("alloc", 4), ("alloc", 2)]),
-        (9, [("alloc", 3), ("alloc", 3), ("alloc", 3), ("free", 2), ("free", 0),
-             ("alloc", 2), ("alloc", 3), ("free", 1), ("alloc", 7)]),   # merge on both sides
-        (5, [("alloc", 6)]),
-        (4, []),
-    ]
-    for _ in range(30):
-        size = rng.randrange(4, 40)
-        cases.append((size, _random_events(rng, size, rng.randrange(1, 25))))
-    return cases
-
-
-def _judge_first_fit(case: tuple, got) -> str | None:
-    num_slots, events = case
-    want = first_fit(num_slots, events)
-    if got is not None and list(got) == want:
+def _judge_failing(case: tuple, got) -> str | None:
+    (num_slots,) = case
+    where = f"a pool of {num_slots} slots"
+    if problem := _invalid(num_slots, got):
+        return f"{where}: {problem}"
+    events = [tuple(e) for e in got]
+    if broke := _breaks(_Correct, num_slots, events):    # cannot happen: the library's bug
+        return f"{where}: the correct allocator breaks the rule at event {broke[0]}"
+    if broke := _breaks(RightMergeFirstFit, num_slots, events):
         return None
-    return f"{num_slots} slots, events {events}: " + _first_fit_diff(num_slots, events, got, want)
+    return (f"{where}: the broken allocator keeps the rule all through your {len(events)} "
+            "events (each alloc got the lowest start of size free slots side by side, or "
+            "None where there was none): find events after which it does not")
 
 
-def check_first_fit(fn: Callable[[int, list[tuple[str, int]]], list[int | None]]) -> Verdict:
-    """2.2: compare the starts; a difference names the alloc, the holes then, and the rule."""
-    return judge_cases("2.2 first_fit", fn, first_fit_cases(), returns(_judge_first_fit),
-                       lambda case: f"{case[0]} slots, events {case[1]}")
+def check_failing_events(fn: Callable[[int], list[tuple[str, int]]]) -> Verdict:
+    """2.2: the learner's events, for several pool sizes, must be valid on a correct first-fit
+    allocator and make :class:`RightMergeFirstFit` break first fit's rule."""
+    return judge_cases("2.2 failing_events", fn, [(2,), (3,), (10,), (64,)],
+                       returns(_judge_failing), lambda case: f"a pool of {case[0]} slots")
 
 
-def _first_fit_diff(num_slots: int, events: list, got, want: list) -> str:
-    if not isinstance(got, (list, tuple)) or len(got) != len(want):
-        return f"returned {got!r:.60}; want one start (or None) per alloc: {want}"
-    alloc, starts, k = ContiguousAllocator(num_slots), {}, 0
-    for i, (kind, value) in enumerate(events):
-        if kind == "free":
-            alloc.free(starts[value])
-            continue
-        if got[k] != want[k]:
-            holes = alloc.holes
-            rule = ("first fit takes the lowest hole that is long enough"
-                    if want[k] is not None else "no hole is long enough")
-            if got[k] is None and want[k] is not None:
-                rule = ("these holes are what is left when a freed range merges with its free "
-                        "neighbours: without the merge no hole is long enough")
-            return (f"event {i}, alloc of {value}: got {got[k]}, the library {want[k]}; the "
-                    f"holes (start, length) were then {holes}: {rule}")
-        starts[i] = alloc.allocate(value)
-        k += 1
-    return "the same starts, in another type"
+def failing_break(num_slots: int, events: list) -> tuple[int, int | None, int | None] | None:
+    """Where :class:`RightMergeFirstFit` breaks on valid ``events``: ``(event, its start,
+    the lowest start)``, or None (for the notebook and the tests)."""
+    return _breaks(RightMergeFirstFit, num_slots, [tuple(e) for e in events])
 
 
 def _split_forgets_reserved(residents, holes, head_need):
@@ -218,40 +263,19 @@ def _split_strict_fit(residents, holes, head_need):
     return out
 
 
-def _first_fit_no_merge(num_slots, events):
-    holes, starts = [(0, num_slots)], {}
-    for i, (kind, value) in enumerate(events):
-        if kind == "alloc":
-            j = next((j for j, h in enumerate(holes) if h[1] >= value), None)
-            starts[i] = None if j is None else holes[j][0]
-            if j is not None:
-                holes[j] = (holes[j][0] + value, holes[j][1] - value)
-        else:
-            holes = sorted(holes + [(starts[value], events[value][1])])
-    return list(starts.values())
+def _frees_by_start(num_slots):
+    """Wrong: a free names the slot where the range starts, not the alloc's index."""
+    return [("alloc", 2), ("alloc", 2), ("free", 0), ("free", 2), ("alloc", 4)]
 
 
-def _best_fit(num_slots, events):
-    """Wrong: the smallest hole that fits (best fit), not the lowest."""
-    holes, starts = [(0, num_slots)], {}
-    for i, (kind, value) in enumerate(events):
-        if kind == "alloc":
-            fits = [h for h in holes if h[1] >= value]
-            starts[i] = min(fits, key=lambda h: (h[1], h[0]))[0] if fits else None
-            if fits:
-                s, n = min(fits, key=lambda h: (h[1], h[0]))
-                holes.remove((s, n))
-                holes = sorted(holes + ([(s + value, n - value)] if n > value else []))
-        else:
-            holes = sorted(holes + [(starts[value], events[value][1])])
-            merged = [holes[0]]
-            for s, n in holes[1:]:
-                if merged[-1][0] + merged[-1][1] == s:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((s, n))
-            holes = merged
-    return list(starts.values())
+def _frees_in_merging_order(num_slots):
+    """Wrong: valid, but slot 1 is freed before slot 0, so each free finds its hole after it."""
+    return [("alloc", 1), ("alloc", 1), ("free", 1), ("free", 0), ("alloc", 2)]
+
+
+def _sized_for_ten(num_slots):
+    """Wrong: sizes that break a pool of 10 slots, but a pool of 2 cannot serve them."""
+    return [("alloc", 3), ("alloc", 3), ("alloc", 4), ("free", 0), ("free", 1), ("alloc", 6)]
 
 
 EXERCISES = Exercises(
@@ -262,20 +286,40 @@ EXERCISES = Exercises(
         "The free slots are sum(holes). They are external fragmentation only when someone "
         "waits (head_need is not None) and no single hole is at least head_need long; then all "
         "of them are, as in the paper's Fig. 2. max(holes, default=0) handles no holes.",
-        "Return the five keys token_states, reserved, internal, external, free. Then compare "
-        "with simulate_static in course_lib/sim/static.py, which counts the same five at every "
-        "step of a trace.",
+        "Return the five keys token_states, reserved, internal, external, free.",
     ), solution=solutions.split_memory,
-        wrong=(_split_forgets_reserved, _split_external_is_small_holes, _split_strict_fit)),
-    Exercise("2.2", "a first-fit allocator", check_first_fit, hints=(
-        "Keep the holes as (start, length) pairs sorted by start, beginning with "
-        "[(0, num_slots)]. An alloc takes the first hole with length >= size and carves the "
-        "range from its front (a hole left with length 0 disappears).",
-        "Remember each successful alloc's start by its event index: a free names that index, "
-        "and its size is events[index][1].",
-        "On free, insert the range and merge it with a hole that ends where it starts and one "
-        "that starts where it ends. Then read ContiguousAllocator in course_lib/sim/static.py.",
-    ), solution=solutions.first_fit, wrong=(_first_fit_no_merge, _best_fit)),
+        rules=(
+        Rule("slots held for tokens still to come are reserved, not internal",
+             "residents [(1024, 100, 300)], holes [204",
+             _split_forgets_reserved),
+        Rule("external only when no single hole holds head_need slots (else 0)",
+             "residents [(1024, 100, 300)], holes [204",
+             _split_external_is_small_holes),
+        Rule("a hole of exactly head_need slots holds the head",
+             "residents [(1024, 100, 300)], holes [1000, 1",
+             _split_strict_fit),
+    ),
+        compare_with=(
+        "simulate_static in course_lib/sim/static.py, which counts the same five at every step of"
+        " a trace")),
+    Exercise("2.2", "find where a first-fit allocator fails", check_failing_events, hints=(
+        "The rule breaks only when two holes touch: a freed range that should have merged "
+        "with the hole before it. Which order of frees leaves a hole right before the range "
+        "being freed, and none right after it?",
+        "Two neighbouring allocs of one slot each are enough: free the lower one first, then "
+        "the higher. Then ask for both slots at once.",
+        "An alloc of size 2 after that must start at slot 0; the broken allocator finds no "
+        "hole of 2 that starts there. Keep the sizes small so that a pool of 2 slots serves "
+        "them too.",
+    ), solution=solutions.failing_events, rules=(
+        Rule("every free names an earlier alloc that got slots, once (valid on a correct "
+             "allocator)", "a pool of 10 slots", _frees_by_start),
+        Rule("the broken allocator must break first fit's rule", "a pool of 10 slots",
+             _frees_in_merging_order),
+        Rule("for every pool size num_slots >= 2", "a pool of 2 slots", _sized_for_ten),
+    ), trivial=(lambda *a: None, lambda *a: []), compare_with=(
+        "ContiguousAllocator.free in course_lib/sim/static.py, which merges a freed range with "
+        "the holes on both sides")),
 )
 
 

@@ -1,6 +1,6 @@
 """Chapter 03 exercises: a block manager (can_allocate's OK/LATER/NEVER and a step that
 changes nothing when it does not fit), the slots of one step's new tokens, a free-list
-allocator.
+allocator to fix (:class:`ShownAllocator`, the broken one the notebook shows).
 
 Each ``check_*`` runs the learner's code and the library's on the same cases (edge cases
 first, then random ones from a fixed seed) and returns a :class:`Verdict` that prints the
@@ -15,10 +15,12 @@ from collections.abc import Callable
 from course_lib.exercises import (
     Exercise,
     Exercises,
+    Rule,
     Verdict,
     judge_cases,
     replay_ops,
     returns,
+    rule_wrongs,
 )
 from course_lib.exercises.ch03_manager import (
     _ManagerDoesNothing,
@@ -185,6 +187,33 @@ def check_allocator(toy_class: type) -> Verdict:
                       _allocator_problem)
 
 
+class ShownAllocator:
+    """3.3's broken allocator, as the notebook shows it: three bugs, each against a rule of
+    the statement (the learner returns it fixed)."""
+
+    def __init__(self, num_blocks):
+        self.num_blocks = num_blocks
+        self.free_stack = list(range(num_blocks))      # every block starts free
+        self.is_free = [True] * num_blocks
+
+    @property
+    def num_free(self):
+        return len(self.free_stack)
+
+    def allocate(self):
+        if not self.free_stack:
+            raise RuntimeError("no free block")
+        block = self.free_stack.pop()
+        self.is_free[block] = False
+        return block
+
+    def free(self, block):
+        if not 0 <= block <= self.num_blocks or self.is_free[block]:
+            raise ValueError(f"block {block} is not allocated")
+        self.is_free[block] = True
+        self.free_stack.insert(0, block)
+
+
 class _FifoAllocator(solutions.ToyAllocator):
     """Wrong: hands out the block freed longest ago (a queue), not the last one (a stack)."""
 
@@ -235,29 +264,64 @@ EXERCISES = Exercises(
         "blocks, so a step of k new tokens needs ceil((n + k) / block_size) - len(table) more.",
         "can_allocate: compare the blocks needed with num_blocks - watermark_blocks first "
         "(NEVER), then with num_free - watermark_blocks (OK, else LATER).",
-        "append_step: add up the extra blocks of every sequence in the step *before* taking "
-        "any; if the sum exceeds num_free, return False with nothing touched. Then read "
-        "can_allocate and can_append_slots in course_lib/memory/v0/manager.py.",
-    ), solution=solutions.ToyManager, wrong=(_PartialStep, _NoNever, _WatermarkOnAppend),
-        trivial=(_ManagerDoesNothing,)),
+        "append_step: add up the extra blocks of every sequence in the step *before* taking any; "
+        "if the sum exceeds num_free, return False with nothing touched.",
+    ), solution=solutions.ToyManager, rules=(
+        Rule("a step that does not fit returns False and changes nothing, not even for the "
+             "sequences that would have fitted",
+             "(5, 2, 0, [(",
+             _PartialStep),
+        Rule("NEVER when the prompt needs more than num_blocks - watermark_blocks blocks",
+             "(4, 16, 0, [",
+             _NoNever),
+        Rule("appends ignore the watermark (it is kept for new prompts)",
+             "(14, 1, 1, [",
+             _WatermarkOnAppend),
+    ),
+        trivial=(_ManagerDoesNothing,), compare_with=(
+        "can_allocate and can_append_slots in course_lib/memory/v0/manager.py")),
     Exercise("3.2", "the slots of one step's new tokens", check_step_slot_mapping, hints=(
         "List the new tokens first: for each sequence in num_new's order, the positions "
         "num_computed[s], ..., num_computed[s] + num_new[s] - 1.",
         "A position p sits in logical block p // block_size, at offset p % block_size; the "
         "table turns the logical block into a physical one.",
-        "slot = tables[s][p // block_size] * block_size + p % block_size. Then read "
-        "BlockTable.slot in course_lib/memory/v0/block_table.py.",
-    ), solution=solutions.step_slot_mapping, wrong=(_slots_logical, _slots_from_zero)),
-    Exercise("3.3", "free-list allocator", check_allocator, hints=(
-        "Keep the free blocks in a Python list used as a stack: append() pushes, pop() takes "
-        "the top. Which order must the list start in for a fresh pool to give 0, 1, 2, ...?",
-        "free() must change nothing when it refuses: check the id's range and whether the "
-        "block is already free *before* touching the stack (a list of booleans answers the "
-        "second question in O(1)).",
-        "Start from list(range(num_blocks - 1, -1, -1)). Then read BlockAllocator in "
-        "course_lib/memory/v0/pool.py: the same stack, plus reference counts.",
-    ), solution=solutions.ToyAllocator, wrong=(_FifoAllocator, _TrustingAllocator),
-        trivial=(_DoesNothing,)),
+        "slot = tables[s][p // block_size] * block_size + p % block_size.",
+    ), solution=solutions.step_slot_mapping, rules=(
+        Rule("the table turns a logical block into a physical one",
+             "tables {'A': [7, 3, 12]}, num_computed {'A': 0},",
+             _slots_logical),
+        Rule("sequence s's new tokens start at position num_computed[s]",
+             "tables {'A': [7, 3, 12]}, num_computed {'A': 39}",
+             _slots_from_zero),
+        Rule("sequence after sequence in the order of num_new",
+             "tables {'B': [60",
+             rule_wrongs.slots_sorted_by_id),
+    ),
+        compare_with=(
+        "BlockTable.slot in course_lib/memory/v0/block_table.py")),
+    Exercise("3.3", "fix a free-list allocator", check_allocator, hints=(
+        "Run the class above by hand on a pool of 3: what do the first three allocate() calls "
+        "return? Free two blocks, then allocate: which one should come back first?",
+        "Try free() on the ids just outside the pool, -1 and num_blocks: which one does the "
+        "check let through, and what happens to it then?",
+        "Three things to fix: the order the stack starts in, the end of the stack free() "
+        "pushes onto, and the upper bound of the range check.",
+    ), solution=solutions.ToyAllocator, wrong=(ShownAllocator,), rules=(
+        Rule("allocate takes the top of a LIFO stack",
+             "(3, [('allocate',), ('free', 0), ('f",
+             _FifoAllocator),
+        Rule("free raises ValueError and changes nothing for an id out of range or already free",
+             "(3, [('free'",
+             _TrustingAllocator),
+        Rule("a fresh pool gives 0, 1, 2, ...",
+             "(3, [('allocate',), ('free', 0), ('f",
+             rule_wrongs.FreshPoolFromTheTop),
+        Rule("allocate raises an exception when the pool is empty",
+             "(0, [('alloc",
+             rule_wrongs.EmptyGivesNone),
+    ),
+        trivial=(_DoesNothing,), compare_with=(
+        "BlockAllocator in course_lib/memory/v0/pool.py: the same stack, plus reference counts")),
 )
 
 

@@ -1,14 +1,18 @@
 """Chapter 04 exercises: the paged gather and the one-head decode loop as Triton kernels, and
 the split-K merge of two partial attentions.
 
-Every case is a paged cache whose free blocks, and the slots past the sequence in its last
-block, hold NaN; the block table lists the sequence's blocks in a shuffled order and then
-``-1`` entries, as a batch's padded table row does; the cache sits between two guard blocks of
-NaN, so a ``-1`` that is followed reads NaN instead of crashing. The checkers run the edge cases
-(one token, a full last block, block size 1, a maximum that grows in the last block, scores too
-large for ``exp`` without the maximum), then random cases from a fixed seed, and name the first
-token (or element) that differs and, where it can tell, the idea that was missed. Under
-``torch-reference`` the Triton exercises say they need a Triton backend.
+Every case (but 4.1's last) is a paged cache whose free blocks, and the slots past the sequence
+in its last block, hold NaN; the block table lists the sequence's blocks in a shuffled order and
+then ``-1`` entries, as a batch's padded table row does; the cache sits between two guard blocks
+of NaN, so a ``-1`` that is followed reads NaN instead of crashing. The checkers run the edge
+cases (one token, a full last block, block size 1, a maximum that grows in the last block,
+scores too large for ``exp`` without the maximum), then random cases from a fixed seed, and name
+the first token (or element) that differs and, where it can tell, the idea that was missed.
+4.1's last case (:func:`huge_case`) puts a block at ``2**27 + 1`` in a cache of ``2**31`` values
+(virtual memory), so an int32 page index overflows; 4.3's include log-sum-exps in the hundreds,
+past float32's ``exp`` overflow. The answers must be tensors the learner's kernel wrote
+(:func:`course_lib.exercises.launches.not_from_kernel`). Under ``torch-reference`` the Triton
+exercises say they need a Triton backend.
 """
 
 from __future__ import annotations
@@ -20,15 +24,22 @@ from collections.abc import Callable
 import torch
 
 from course_lib.device import BACKEND
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, judge_cases, launches
 from course_lib.exercises.ch04_wrong import (
+    _decode_noop_then_torch,
+    _decode_unscaled,
     _decode_with,
     _decode_with_course_kernel,
     _gather_in_torch,
+    _gather_int32_page,
+    _gather_noop_then_torch,
     _gather_with,
     _merge_average,
     _merge_in_torch,
     _merge_nan_when_both_empty,
+    _merge_noop_then_torch,
+    _merge_torch_into_kernel_output,
+    _merge_without_max,
 )
 from course_lib.exercises.solutions import ch04 as solutions
 from course_lib.kernels import reference
@@ -74,7 +85,42 @@ def gather_cases() -> list[dict]:
               (9, 1, 2, 4), (23, 8, 3, 4)]          # 3 x 4 = 12: not a power of two
     shapes += [(rng.randrange(1, 40), 2 ** rng.randrange(0, 5), rng.randrange(1, 3), 4)
                for _ in range(5)]
-    return [paged_case(*shape, seed=i) for i, shape in enumerate(shapes)]
+    cases = [paged_case(*shape, seed=i) for i, shape in enumerate(shapes)]
+    return cases + ([huge_case()] if _room_for_huge_case() else [])
+
+
+HUGE_PAGE = 2**27 + 1   # x 4 slots x 4 values: element offset 2**31 + ..., past int32
+
+
+def _room_for_huge_case() -> bool:
+    """The 64-bit case needs an 8 GiB cache: virtual memory on a CPU (only the few pages the
+    sequence uses are touched), real memory on a GPU (only where 16 GiB are free)."""
+    if torch.device(BACKEND.device).type == "cpu":
+        return True
+    free, _ = torch.cuda.mem_get_info(BACKEND.device)
+    return free >= 16 * 2**30
+
+
+def huge_case() -> dict:
+    """A sequence of 5 tokens whose first block is block ``2**27 + 1`` of a cache of
+    ``[2**27 + 2, 4, 1, 4]`` float32: its element offset, ``block x 4 x 4``, passes ``2**31``,
+    so a page index kept in int32 overflows. Key and value caches are two views of one
+    allocation (the value cache starts 8 blocks later; the used blocks do not overlap);
+    nothing but the sequence's slots is written, so on a CPU the 8 GiB stay virtual."""
+    bs, heads, dim, num_blocks, seq_len = 4, 1, 4, HUGE_PAGE + 1, 5
+    gen = torch.Generator().manual_seed(4141)
+    storage = torch.empty((num_blocks + 8) * bs * heads * dim, device=BACKEND.device)
+    caches = [storage[off * bs * heads * dim:(off + num_blocks) * bs * heads * dim]
+              .view(num_blocks, bs, heads, dim) for off in (0, 8)]
+    pages = [HUGE_PAGE, 3]
+    k = torch.randn(seq_len, heads, dim, generator=gen)
+    v = torch.randn(seq_len, heads, dim, generator=gen)
+    for cache, src in zip(caches, (k, v), strict=True):
+        for p in range(seq_len):
+            cache[pages[p // bs], p % bs] = src[p].to(BACKEND.device)
+    table = torch.tensor([*pages, -1, -1], dtype=torch.int32, device=BACKEND.device)
+    return dict(seq_len=seq_len, block_size=bs, heads=heads, head_dim=dim, q=None,
+                key_cache=caches[0], value_cache=caches[1], table=table, k=k, v=v, q_scale=1.0)
 
 
 def _judge_gather(learner: Callable, c: tuple) -> str | None:
@@ -84,6 +130,9 @@ def _judge_gather(learner: Callable, c: tuple) -> str | None:
     if not (isinstance(got, (tuple, list)) and len(got) == 2
             and all(isinstance(t, torch.Tensor) and tuple(t.shape) == shape for t in got)):
         return f"{_where(c)}: expected (k, v), two tensors of shape {shape}, got {got!r:.80}"
+    for name, t in zip("kv", got, strict=True):
+        if problem := launches.not_from_kernel(t, name):
+            return f"{_where(c)}: {problem}"
     bs = c["block_size"]
     for name, t, want in (("k", got[0].cpu(), c["k"]), ("v", got[1].cpu(), c["v"])):
         bad = [p for p in range(c["seq_len"]) if not torch.equal(t[p], want[p])]
@@ -144,6 +193,8 @@ def _judge_decode(learner: Callable, c: tuple) -> str | None:
     where = f"{_where(c)}, head_dim={d}"
     if not (isinstance(got, torch.Tensor) and tuple(got.shape) == (d,)):
         return f"{where}: expected a tensor of shape ({d},), got {got!r:.80}"
+    if problem := launches.not_from_kernel(got, "out"):
+        return f"{where}: {problem}"
     got = got.detach().float().cpu()
     if torch.allclose(got, want, atol=1e-4, rtol=1e-4):
         return None
@@ -172,8 +223,9 @@ def check_decode_one_head(fn: Callable) -> Verdict:
 
 # ------------------------------------------------------------------ 4.3 the split-K merge
 def _merge_cases() -> list[tuple]:
-    """Two key ranges of one attention, each as (out, lse); the last three: scores in the
-    hundreds (exp overflows without the maximum), an empty range, two empty ranges."""
+    """Two key ranges of one attention, each as (out, lse); then scores of 40 x a normal, log-
+    sum-exps in the hundreds (exp overflows without the maximum), an empty range, two empty
+    ranges."""
     gen = torch.Generator().manual_seed(0)
     cases = []
     for heads, keys, head_dim, split, scale in ((1, 8, 4, 3, 3), (4, 8, 4, 1, 3),
@@ -186,6 +238,9 @@ def _merge_cases() -> list[tuple]:
             s = scores[:, cols]
             parts += [torch.softmax(s, -1) @ values[cols], torch.logsumexp(s, -1)]
         cases.append(tuple(parts))
+    # log-sum-exps in the hundreds, past float32's exp overflow (88.7): only the max saves it
+    cases.append((torch.randn(2, 4, generator=gen), torch.tensor([300.0, 95.0]),
+                  torch.randn(2, 4, generator=gen), torch.tensor([299.0, 120.0])))
     out = torch.randn(2, 4, generator=gen)
     cases.append((out, torch.tensor([0.5, -1.0]), torch.zeros(2, 4),
                   torch.full((2,), float("-inf"))))   # second split saw no keys
@@ -203,6 +258,9 @@ def _judge_merge(got, case: tuple) -> str | None:
             and got[0].shape == want_out.shape and got[1].shape == want_lse.shape):
         return (f"expected (out, lse) of shapes {tuple(want_out.shape)} and "
                 f"{tuple(want_lse.shape)}, got {got!r:.80}")
+    for name, t in zip(("out", "lse"), got, strict=True):
+        if problem := launches.not_from_kernel(t, name):
+            return problem
     got = (got[0].cpu(), got[1].cpu())
     for h in range(want_lse.shape[0]):
         part = (f"head {h} (lse_a = {lse_a[h].item():.4f}, lse_b = {lse_b[h].item():.4f})")
@@ -211,8 +269,15 @@ def _judge_merge(got, case: tuple) -> str | None:
                     "-inf and lse_x - max is -inf - -inf: subtract 0 there instead")
         if not torch.allclose(got[1][h], want_lse[h], atol=1e-5, equal_nan=False) and not (
                 torch.isinf(want_lse[h]) and got[1][h] == want_lse[h]):
+            if got[1][h].isinf() and torch.isfinite(want_lse[h]):
+                return (f"{part}: lse = {got[1][h].item()}, want {want_lse[h].item():.4f}: "
+                        "exp(lse) overflows float32 past 88.7; with m = max(lse_a, lse_b), "
+                        "lse = m + log(exp(lse_a - m) + exp(lse_b - m))")
             return (f"{part}: lse = {got[1][h].item():.4f}, want {want_lse[h].item():.4f} "
                     "= log(exp(lse_a) + exp(lse_b)), the union's denominator")
+        if got[0][h].isnan().any() and torch.isfinite(want_lse[h]):
+            return (f"{part}: out holds NaN: exp(lse) overflows float32 past 88.7; subtract "
+                    "m = max(lse_a, lse_b) before exp")
         if got[0][h].isnan().any():
             return (f"{part}: out holds NaN; both parts are empty here, so lse = -inf and "
                     "lse_x - lse is -inf - -inf: the answer is zeros")
@@ -222,11 +287,15 @@ def _judge_merge(got, case: tuple) -> str | None:
     return None
 
 
+def _merge_text(case: tuple) -> str:
+    lse_a, lse_b = (", ".join(f"{x:.4g}" for x in t.tolist()) for t in (case[1], case[3]))
+    return f"merging parts of shape {tuple(case[0].shape)}, lse_a [{lse_a}], lse_b [{lse_b}]"
+
+
 def check_merge_attn_states(learner: Callable) -> Verdict:
     """Exercise 4.3: ``merge_attn_states(out_a, lse_a, out_b, lse_b) -> (out, lse)``."""
     return judge_cases("4.3 merge_attn_states", learner, _merge_cases(),
-                       lambda fn, case: _judge_merge(fn(*case), case),
-                       lambda case: f"merging parts of shape {tuple(case[0].shape)}",
+                       lambda fn, case: _judge_merge(fn(*case), case), _merge_text,
                        needs_triton=True)
 
 
@@ -238,12 +307,18 @@ EXERCISES = Exercises(
         "ROW numbers starting at (page * BLOCK_SIZE + offset) * ROW. tl.arange needs a power "
         "of two: cols = tl.arange(0, ROW_PAD) with ROW_PAD = triton.next_power_of_2(ROW), and "
         "mask=cols < ROW on the load and the store. Cast the page to int64 before multiplying.",
-        "Launch seq_len programs: the -1 entries past the last block are then never read. "
-        "Then read load_pages and load_kv_tile in course_lib/kernels/paged_load.py: the same "
-        "address, for a tile of tokens at once and with every stride passed in.",
-    ), solution=solutions.gather_kv, wrong=(_gather_with(0), _gather_with(1),
-                                                     _gather_in_torch),
-        needs_triton=True),
+        "Launch seq_len programs: the -1 entries past the last block are then never read.",
+    ), solution=solutions.gather_kv, wrong=(_gather_in_torch,), needs_triton=True, rules=(
+        Rule("read through block_table: a token's block is the table's entry, not its logical "
+             "block", "seq_len=5, block_size=4", _gather_with(0)),
+        Rule("the table holds blocks, not slots: the slot is block x block_size + offset",
+             "seq_len=4, block_size=4", _gather_with(1)),
+        Rule("the page index is 64-bit safe: one case's offset passes 2**31 elements",
+             f"table [{HUGE_PAGE}, 3", _gather_int32_page),
+        Rule("k and v come from a Triton kernel (not torch around a launch)",
+             "seq_len=1, block_size=4", _gather_noop_then_torch),
+    ), compare_with="load_pages and load_kv_tile in course_lib/kernels/paged_load.py: the same "
+                    "address, for a tile of tokens at once and with every stride passed in"),
     Exercise("4.2", "the online-softmax decode loop as a Triton kernel", check_decode_one_head,
              hints=(
         "One program (grid (1,)) loops over the logical blocks, for logical in range(0, "
@@ -253,12 +328,19 @@ EXERCISES = Exercises(
         "[HEAD_DIM] through the loop. Lanes past seq_len: load K and V with mask and "
         "other=0.0, and set their scores to -inf with tl.where, so exp gives 0.",
         "Per block: m_new = max(m, max(s)); multiply l and acc by exp(m - m_new); add "
-        "sum(exp(s - m_new)) and sum(exp(s - m_new)[:, None] * v, 0); store acc / l. Then "
-        "read the loop of course_lib/kernels/paged_decode.py: the same loop for a tile of "
-        "tokens and a group of query heads, in base 2.",
-    ), solution=solutions.decode_one_head, wrong=(_decode_with(False), _decode_with(True),
-                                                     _decode_with_course_kernel),
-        needs_triton=True),
+        "sum(exp(s - m_new)) and sum(exp(s - m_new)[:, None] * v, 0); store acc / l.",
+    ), solution=solutions.decode_one_head, wrong=(_decode_with_course_kernel,),
+        needs_triton=True, rules=(
+        Rule("the running sums are rescaled when a block raises the maximum (online softmax)",
+             "seq_len=5, block_size=4", _decode_with(False)),
+        Rule("slots past seq_len hold NaN: mask the K and V loads", "seq_len=5, block_size=4",
+             _decode_with(True)),
+        Rule("scores are scaled by 1/sqrt(head_dim)", "seq_len=4, block_size=4",
+             _decode_unscaled),
+        Rule("out comes from the learner's own kernel", "seq_len=1, block_size=4",
+             _decode_noop_then_torch),
+    ), compare_with="the loop of course_lib/kernels/paged_decode.py: the same loop for a tile "
+                    "of tokens and a group of query heads, in base 2"),
     Exercise("4.3", "the split-K merge as a Triton kernel", check_merge_attn_states, hints=(
         "One program per head (grid (num_heads,)): h = tl.program_id(0) loads lse_a[h] and "
         "lse_b[h] (scalars) and the HEAD_DIM values of out_a and out_b at h * HEAD_DIM + "
@@ -268,13 +350,26 @@ EXERCISES = Exercises(
         "overflows; out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b. When both parts "
         "are empty m is -inf, and -inf - -inf is NaN: tl.where(m == float('-inf'), 0.0, m), and "
         "the same for lse before the weights.",
-        "Compare with reference.merge_attn_states in course_lib/kernels/reference.py, then read "
-        "the reduce kernel of course_lib/kernels/paged_decode.py, which merges any number of "
-        "splits in base 2. vLLM 0.33.0's merge_attn_states_kernel "
-        "(vllm/v1/attention/ops/triton_merge_attn_states.py) is this kernel with a program "
-        "per (token, head): it too gives zeros and lse = -inf when both sides are empty.",
-    ), solution=solutions.merge_attn_states,
-        wrong=(_merge_average, _merge_nan_when_both_empty, _merge_in_torch), needs_triton=True),
+        "Both weights are shares of one denominator: exp(lse_a - lse) + exp(lse_b - lse) = 1. "
+        "Check that your kernel keeps that true when one side is -inf, and when both are.",
+    ), solution=solutions.merge_attn_states, wrong=(_merge_in_torch,), needs_triton=True,
+        rules=(
+        Rule("each part is weighted by its share of the union's denominator, exp(lse_x - lse)",
+             "lse_a [0.5, -1]", _merge_average),
+        Rule("log-sum-exps in the hundreds: subtract the max before exp",
+             "lse_a [300, 95]", _merge_without_max),
+        Rule("both ranges empty: zeros and lse = -inf, not NaN", "lse_b [-inf, -inf]",
+             _merge_nan_when_both_empty),
+        Rule("out and lse come from the learner's own kernel (never handed to it)",
+             "lse_a [300, 95]", _merge_noop_then_torch),
+        Rule("out and lse hold what the kernel wrote (not torch writing after the launch)",
+             "lse_a [300, 95]", _merge_torch_into_kernel_output),
+    ), compare_with="reference.merge_attn_states in course_lib/kernels/reference.py, then the "
+                    "reduce kernel of course_lib/kernels/paged_decode.py, which merges any "
+                    "number of splits in base 2. vLLM 0.33.0's merge_attn_states_kernel "
+                    "(vllm/v1/attention/ops/triton_merge_attn_states.py) is this kernel with a "
+                    "program per (token, head): it too gives zeros and lse = -inf when both "
+                    "sides are empty"),
 )
 
 

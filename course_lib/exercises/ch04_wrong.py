@@ -136,3 +136,107 @@ def _merge_in_torch(out_a, lse_a, out_b, lse_b):
     ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     return (torch.exp(lse_a - ref).unsqueeze(-1) * out_a
             + torch.exp(lse_b - ref).unsqueeze(-1) * out_b, lse)
+
+
+if BACKEND.uses_triton:
+    @triton.jit
+    def _gather_int32(k_cache, v_cache, table, k_out, v_out, BLOCK_SIZE: tl.constexpr,
+                      ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+        pos = tl.program_id(0)
+        page = tl.load(table + pos // BLOCK_SIZE)      # int32: page * BLOCK_SIZE * ROW overflows
+        slot = page * BLOCK_SIZE + pos % BLOCK_SIZE
+        cols = tl.arange(0, ROW_PAD)
+        keep = cols < ROW
+        tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols, mask=keep),
+                 mask=keep)
+        tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols, mask=keep),
+                 mask=keep)
+
+    @triton.jit
+    def _merge_no_max(out_a, lse_a, out_b, lse_b, out, lse_out, HEAD_DIM: tl.constexpr):
+        h = tl.program_id(0)
+        a = tl.load(lse_a + h)
+        b = tl.load(lse_b + h)
+        lse = tl.log(tl.exp(a) + tl.exp(b))            # exp(300) overflows float32
+        ref = tl.where(lse == float("-inf"), 0.0, lse)
+        d = tl.arange(0, HEAD_DIM)
+        merged = (tl.exp(a - ref) * tl.load(out_a + h * HEAD_DIM + d)
+                  + tl.exp(b - ref) * tl.load(out_b + h * HEAD_DIM + d))
+        tl.store(out + h * HEAD_DIM + d, merged)
+        tl.store(lse_out + h, lse)
+
+    @triton.jit
+    def _noop(x):
+        pass
+
+
+def _gather_int32_page(key_cache, value_cache, block_table, seq_len):
+    """Wrong: the page index stays int32, so its offset overflows past 2**31 elements."""
+    _, bs, heads, head_dim = key_cache.shape
+    k = torch.empty(seq_len, heads, head_dim, device=key_cache.device)
+    v = torch.empty_like(k)
+    _gather_int32[(seq_len,)](key_cache, value_cache, block_table, k, v, BLOCK_SIZE=bs,
+                              ROW=heads * head_dim,
+                              ROW_PAD=triton.next_power_of_2(heads * head_dim))
+    return k, v
+
+
+def _gather_noop_then_torch(key_cache, value_cache, block_table, seq_len):
+    """Wrong for this exercise: a kernel that does nothing is handed k and v, then torch
+    writes the gathered rows into them."""
+    _, bs, heads, head_dim = key_cache.shape
+    k = torch.empty(seq_len, heads, head_dim, device=key_cache.device)
+    v = torch.empty_like(k)
+    _noop[(1,)](k)
+    _noop[(1,)](v)
+    got = _gather_in_torch(key_cache, value_cache, block_table, seq_len)
+    k.copy_(got[0])
+    v.copy_(got[1])
+    return k, v
+
+
+def _decode_noop_then_torch(q, key_cache, value_cache, block_table, seq_len):
+    """Wrong for this exercise: a kernel that does nothing, then the answer from torch (a
+    tensor the kernel was never handed)."""
+    _noop[(1,)](q)
+    bs = key_cache.shape[1]
+    pos = torch.arange(seq_len, device=q.device)
+    page = block_table.long()[pos // bs]
+    k, v = key_cache[page, pos % bs, 0], value_cache[page, pos % bs, 0]
+    return torch.softmax(k @ q * q.shape[0] ** -0.5, 0) @ v
+
+
+def _decode_unscaled(q, key_cache, value_cache, block_table, seq_len):
+    """Wrong: the scores are not scaled by 1/sqrt(head_dim)."""
+    from course_lib.exercises.solutions.ch04 import decode_kernel
+
+    out = torch.empty(q.shape[0], device=q.device)
+    decode_kernel[(1,)](q, key_cache, value_cache, block_table, out, seq_len, 1.0,
+                        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=q.shape[0])
+    return out
+
+
+def _merge_without_max(out_a, lse_a, out_b, lse_b):
+    """Wrong: lse = log(exp(lse_a) + exp(lse_b)), which overflows in the hundreds."""
+    out, lse = torch.empty_like(out_a), torch.empty_like(lse_a)
+    _merge_no_max[(out_a.shape[0],)](out_a, lse_a, out_b, lse_b, out, lse,
+                                     HEAD_DIM=out_a.shape[1])
+    return out, lse
+
+
+def _merge_noop_then_torch(out_a, lse_a, out_b, lse_b):
+    """Wrong for this exercise: a kernel that does nothing, then the merge in torch."""
+    _noop[(1,)](out_a)
+    return _merge_in_torch(out_a, lse_a, out_b, lse_b)
+
+
+def _merge_torch_into_kernel_output(out_a, lse_a, out_b, lse_b):
+    """Wrong for this exercise: a kernel that does nothing is handed out and lse, then torch
+    writes the merge into them after the launch."""
+    out, lse = torch.empty_like(out_a), torch.empty_like(lse_a)
+    _noop[(1,)](out)
+    _noop[(1,)](lse)
+    want = _merge_in_torch(out_a, lse_a, out_b, lse_b)
+    out.copy_(want[0])
+    lse.copy_(want[1])
+    return out, lse

@@ -1,12 +1,11 @@
 """Chapter 05 exercises: one beam-search step on shared block tables, the blocks parallel
-sampling holds, and a copy-on-write block manager (allocate, fork, append, free with reference
-counts).
+sampling holds, and predictions of what copy-on-write does (forks, writes, frees).
 
 The expected answers come from running a real ``BlockManager`` (fork, append_slots, free), not
 from a second copy of the rule. 5.1 and 5.2 run the edge cases, then random cases from a fixed
-seed, and name the first difference with the rule it breaks; 5.3's checker (in
-:mod:`course_lib.exercises.ch05_cow`) follows 3.3's: random operation sequences, and a failure
-replays the operations that led to it. :func:`cow_scenarios` counts the copies the V0
+seed, and name the first difference with the rule it breaks; 5.3 (in
+:mod:`course_lib.exercises.ch05_cow`) asks for predictions of five scenarios and plays each on
+the manager. :func:`cow_scenarios` counts the copies the V0
 scheduler asks for in three workloads (forked samples, a shared prefix, preemption by
 recompute): only forks copy.
 """
@@ -20,16 +19,13 @@ from typing import NamedTuple
 
 from course_lib import capacity
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, args_text, judge_cases
 from course_lib.exercises.ch05_beams import WRONG as _WRONG_BEAMS
 from course_lib.exercises.ch05_beams import (
     check_beam_blocks,
 )
 from course_lib.exercises.ch05_cow import WRONG as _WRONG_COW
-from course_lib.exercises.ch05_cow import (
-    _DoesNothing,
-    check_cow_manager,
-)
+from course_lib.exercises.ch05_cow import check_cow_predictions
 from course_lib.exercises.solutions import ch05 as solutions
 from course_lib.memory.v0.manager import BlockManager
 from course_lib.scheduler.scheduler import Scheduler
@@ -74,8 +70,13 @@ def _no_manager() -> Iterator[None]:
         BlockManager.__init__, capacity.blocks_with_shared_prefix = init, formula
 
 
+HUGE_LENGTHS = (1000, 10**9 + 7, 10**9, 16)   # a formula answers at once, a simulation never
+
+
 def _judge_held(learner: Callable, case: tuple) -> str | None:
-    want = blocks_held(*case)
+    # the manager counts the small cases; the lengths in the billions only a formula can
+    # (tests/test_exercises_ch05.py checks the two agree on every small case)
+    want = solutions.blocks_held(*case) if case == HUGE_LENGTHS else blocks_held(*case)
     with _no_manager():
         got = learner(*case)
     if got == want:
@@ -99,7 +100,13 @@ def check_blocks_held(fn: Callable[[int, int, int, int], int]) -> Verdict:
              (4, 16, 4, 4), (4, 16, 5, 4), (2, 1, 1, 1), (3, 500, 20, 16)]
     cases += [(rng.randrange(1, 6), rng.randrange(1, 50), rng.randrange(0, 20),
                2 ** rng.randrange(0, 5)) for _ in range(30)]
-    return judge_cases("5.2 blocks_held", fn, cases, _judge_held)
+    cases.append(HUGE_LENGTHS)
+    return judge_cases("5.2 blocks_held", fn, cases, _judge_held, _held_text, seconds=2.0)
+
+
+def _held_text(case: tuple) -> str:
+    return args_text(case) + (" (lengths in the billions: count with a formula, not a "
+                              "simulation)" if case == HUGE_LENGTHS else "")
 
 
 # ------------------------------------------------------------------ copies in three workloads
@@ -163,6 +170,21 @@ def _held_after_sampling(n, prompt_len, gen_len, block_size):
     return blocks_held(n, prompt_len, gen_len, block_size)
 
 
+def _counted_token_by_token(num_samples, prompt_len, gen_len, block_size):
+    """Wrong for 5.2: right on small lengths, but it walks every token of every sample (a
+    simulation, as with a class of one's own), so lengths in the billions never finish."""
+    if gen_len == 0:
+        return cdiv(prompt_len, block_size)
+    full = prompt_len // block_size
+    total = full
+    for _ in range(num_samples):
+        own = set()
+        for position in range(full * block_size, prompt_len + gen_len):
+            own.add(position // block_size)
+        total += len(own)
+    return total
+
+
 EXERCISES = Exercises(
     Exercise("5.1", "beam_blocks", check_beam_blocks, hints=(
         "Count the references first: a block's ref count is the number of tables (beams) "
@@ -172,32 +194,66 @@ EXERCISES = Exercises(
         "references. Then each beam appends: with num_tokens % block_size == 0 every beam "
         "opens a new block; otherwise a last block with count r > 1 is copied r - 1 times "
         "(the last beam left on it is its only owner by then and writes in place).",
-        "held = blocks with a count above 0 after the frees and forks, plus one per copy, "
-        "plus one per beam when the last blocks were full. Then read _beam_step in "
-        "course_lib/scheduler/output_processor.py and BlockManager.fork / free / "
-        "append_slots in course_lib/memory/v0/manager.py.",
-    ), solution=solutions.beam_blocks, wrong=_WRONG_BEAMS,
-        trivial=(lambda *a: None, lambda *a: ([], [], 0))),
+        "held = blocks with a count above 0 after the frees and forks, plus one per copy, plus "
+        "one per beam when the last blocks were full.",
+    ), solution=solutions.beam_blocks, rules=(
+        Rule("k beams on one shared partial block make k - 1 copies (the last writer keeps it)",
+             "beams {0: [0, 1]} at 7 t",
+             _WRONG_BEAMS[0]),
+        Rule("a dropped beam's blocks that a kept beam shares stay held",
+             "beams {1: [0, 2], 0: [0, 1]} at 8 tokens, block size 4, picks [0",
+             _WRONG_BEAMS[1]),
+        Rule("a full shared last block is not copied: the new token opens a new block",
+             "beams {0: [0, 1]} at 8 t",
+             _WRONG_BEAMS[2]),
+    ),
+        trivial=(lambda *a: None, lambda *a: ([], [], 0)), compare_with=(
+        "_beam_step in course_lib/scheduler/output_processor.py and BlockManager.fork / free / "
+        "append_slots in course_lib/memory/v0/manager.py")),
     Exercise("5.2", "blocks_held", check_blocks_held, hints=(
         "Split the prompt into its full blocks (shared by every sample for ever) and the rest "
         "(each sample writes there, so each ends with its own copy).",
         "After the first write, each sample holds ceil((prompt_len + gen_len) / block_size) - "
         "prompt_len // block_size blocks of its own. With gen_len = 0 nobody wrote: the "
         "partial block is still shared.",
-        "Once it passes, compare with capacity.blocks_with_shared_prefix in "
-        "course_lib/capacity.py (which has no gen_len = 0 case), then BlockManager."
-        "append_slots in course_lib/memory/v0/manager.py.",
-    ), solution=solutions.blocks_held, wrong=(_no_sharing, _partial_block_shared_forever,
-                                              _held_after_sampling)),
-    Exercise("5.3", "CowManager", check_cow_manager, hints=(
-        "Start from the toy on the page (tables, lens, refs, a free stack) and put it in a "
-        "class; what is new is free(): it drops one reference per block of the table.",
-        "A block goes back on the free stack only when its ref count reaches 0. free() walks "
-        "the table from its last block to its first; a copy takes the top of the free stack, "
-        "then drops the writer's reference to the source block.",
-        "Read BlockManager.append_slots, fork and free in course_lib/memory/v0/manager.py, and "
-        "BlockAllocator.touch / release in course_lib/memory/v0/pool.py.",
-    ), solution=solutions.CowManager, wrong=_WRONG_COW, trivial=(_DoesNothing,)),
+    ), solution=solutions.blocks_held, rules=(
+        Rule("the prompt's full blocks are shared: they count once",
+             "(4, 16, 0, 4",
+             _no_sharing),
+        Rule("each sample that writes into the partial prompt block copies it",
+             "(4, 18, 1, 4",
+             _partial_block_shared_forever),
+        Rule("counted from the four lengths alone (no BlockManager)",
+             "(1, 10, 5, 4",
+             _held_after_sampling),
+        Rule("counted from the four lengths alone (no simulation of one's own)",
+             "lengths in the billions",
+             _counted_token_by_token),
+    ), compare_with=(
+        "capacity.blocks_with_shared_prefix in course_lib/capacity.py (which has no gen_len = 0 "
+        "case), then BlockManager.append_slots in course_lib/memory/v0/manager.py")),
+    Exercise("5.3", "predict copy-on-write", check_cow_predictions, hints=(
+        "Draw each table as a row of boxes of 4 slots and write each block's ref count under "
+        "it: a fork adds one to every block of the parent's table, a free takes one off.",
+        "A write goes into the last block. Full: a new block, nothing copied. Partial and "
+        "shared (count > 1): a fresh block and a copy, the old block loses a reference. "
+        "Partial with count 1: written in place, whoever the block came from.",
+        "The free stack is last in, first out, and free pushes a table from its last block "
+        "to its first.",
+    ), solution=solutions.cow_predictions, rules=(
+        Rule("a write into a shared partial block copies it; its last owner writes in place",
+             "a (an 18-token", _WRONG_COW[0]),
+        Rule("a full last block is never copied: the new token opens a new block",
+             "b (a 16-token", _WRONG_COW[1]),
+        Rule("k owners of one partial block make k - 1 copies",
+             "c (a 6-token", _WRONG_COW[2]),
+        Rule("free drops one reference; a block another table holds stays, and its sole "
+             "owner writes in place", "d (a 10-token", _WRONG_COW[3]),
+        Rule("free pushes the table from its last block to its first on a LIFO stack",
+             "e (a 12-token", _WRONG_COW[4]),
+    ), trivial=(lambda *a: None, lambda *a: {}), compare_with=(
+        "BlockManager.append_slots, fork and free in course_lib/memory/v0/manager.py, and "
+        "BlockAllocator.touch / release in course_lib/memory/v0/pool.py")),
 )
 
 

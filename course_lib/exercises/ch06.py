@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict, check, pool_history, replay_ops
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, check, pool_history, replay_ops
 from course_lib.exercises.solutions import ch06 as solutions
 from course_lib.memory.v0.manager import BlockManager
 from course_lib.memory.v0.pool import BlockAllocator
@@ -253,10 +253,19 @@ EXERCISES = Exercises(
         "all run. It becomes evictable when the last of them finishes, not before.",
         "Walk each finished table from its last block to its first; every block whose count "
         "reaches 0 goes to the end of the list (the end is evicted last).",
-        "Read BlockManager.free in course_lib/memory/v0/manager.py and BlockAllocator.release in "
-        "course_lib/memory/v0/pool.py (an OrderedDict keeps the LRU).",
-    ), solution=solutions.lru_order, wrong=(_released_head_first, _no_ref_counts,
-                                            _newest_first)),
+    ), solution=solutions.lru_order, rules=(
+        Rule("BlockManager.free releases a table from its last block to its first",
+             "([[0, 1, 2, ",
+             _released_head_first),
+        Rule("a block becomes evictable when the last table holding it is released",
+             "([[0, 1, 2], [0,",
+             _no_ref_counts),
+        Rule("the LRU list starts with the next victim (the least recently released)",
+             "([[0, 1, 2, ",
+             _newest_first),
+    ), compare_with=(
+        "BlockManager.free in course_lib/memory/v0/manager.py and BlockAllocator.release in "
+        "course_lib/memory/v0/pool.py (an OrderedDict keeps the LRU)")),
     Exercise("6.2", "PrefixPool", check_prefix_pool, hints=(
         "Four pieces of state: the free stack, a ref count per block, the LRU of cached blocks "
         "at ref 0 (a dict keeps insertion order) and the cache, hash -> block (and back). "
@@ -265,11 +274,21 @@ EXERCISES = Exercises(
         "free stack's top, or when it is empty the LRU's first block, whose hash you forget. "
         "Then cache each full block whose hash is not cached yet. finish: release the table "
         "from its last block; a cached block goes to the LRU's end, any other to the stack.",
-        "Read BlockManager.allocate and free in course_lib/memory/v0/manager.py, "
+    ), solution=solutions.PrefixPool, rules=(
+        Rule("with the free stack empty, new blocks come from the front of the LRU",
+             "(6, 4, [('run', 0, [1, 2",
+             _EvictsTheNewest),
+        Rule("leave at least one token to compute",
+             "(8, 4, [('run', 0, [1, 1",
+             _NoCap),
+        Rule("finish releases the table from its last block to its first",
+             "(6, 4, [('run', 0, [1, 2",
+             _FinishesHeadFirst),
+    ),
+        trivial=(_DoesNothing,), compare_with=(
+        "BlockManager.allocate and free in course_lib/memory/v0/manager.py, "
         "BlockAllocator.allocate_n / release in course_lib/memory/v0/pool.py and "
-        "PrefixCache.register in course_lib/memory/v0/prefix_cache.py.",
-    ), solution=solutions.PrefixPool, wrong=(_EvictsTheNewest, _NoCap, _FinishesHeadFirst),
-        trivial=(_DoesNothing,)),
+        "PrefixCache.register in course_lib/memory/v0/prefix_cache.py")),
 )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, check
 from course_lib.exercises.ch07_schedule import (
     _admits_after_preempting,
     _no_chunked_prefill,
@@ -152,10 +152,16 @@ EXERCISES = Exercises(
         "Every step has max_num_batched_tokens tokens; who takes theirs first?",
         "The decodes go first, one token each, in every step; the prompt takes what is left, "
         "until none of it is left. The last chunk is the remainder.",
-        "Read SchedulerV1.schedule in course_lib/scheduler/v1.py (V0's chunking: "
-        "Scheduler._schedule_prefill in course_lib/scheduler/scheduler.py).",
-    ), solution=solutions.prefill_chunks, wrong=(_chunks_ignore_decodes,
-                                                 _decodes_only_in_the_first_step)),
+    ), solution=solutions.prefill_chunks, rules=(
+        Rule("the decodes take one token each before any prefill",
+             "(50, 16, 3)",
+             _chunks_ignore_decodes),
+        Rule("the decodes take their tokens in every step, not only the first",
+             "(50, 16, 3)",
+             _decodes_only_in_the_first_step),
+    ), compare_with=(
+        "SchedulerV1.schedule in course_lib/scheduler/v1.py (V0's chunking: "
+        "Scheduler._schedule_prefill in course_lib/scheduler/scheduler.py)")),
     Exercise("7.2", "one V0 decode step: victims, swap out, swap in",
              check_schedule_running_and_swapped, hints=(
         "Two passes. First the running requests, sorted by (arrival_time, request_id): each "
@@ -167,20 +173,48 @@ EXERCISES = Exercises(
         "(they are then used up), else (id, 'recompute'). A request that was its own victim "
         "does not decode. A swapped request comes back if the free GPU blocks cover "
         "cdiv(num_computed_tokens + 1, block_size); the first that does not fit stops.",
-        "Read Scheduler.schedule, _preempt and _schedule_swapped in "
-        "course_lib/scheduler/scheduler.py, and can_swap_out / swap_in_need in "
-        "course_lib/memory/v0/manager.py.",
-    ), solution=solutions.schedule_running_and_swapped, wrong=WRONG),
+    ), solution=solutions.schedule_running_and_swapped, rules=(
+        Rule("the running requests are served in order of arrival_time, then request_id",
+             "running [(2, 2.0",
+             WRONG[0]),
+        Rule("a victim is swapped out only if the free CPU blocks hold all its blocks",
+             "running [(0, 0.0, 8), (1, 1.0, 8), (2, 2.0, 8)], swapped [] (request_id, "
+             "arrival_time, num_computed_tokens), 0 f",
+             WRONG[1]),
+        Rule("a swapped request comes back only if the free GPU blocks cover "
+             "cdiv(num_computed_tokens + 1, block_size)",
+             "running [(0, 0.0, 5)], swapped [(1, 1.0, 8)]",
+             WRONG[2]),
+        Rule("the victim is the last to arrive of the requests not yet served, itself included",
+             "running [(0, 0.0, 8), (1, 1.0, 8), (2, 2.0, 8)], swapped [] (request_id, "
+             "arrival_time, num_computed_tokens), 1 f",
+             WRONG[3]),
+        Rule("swapped requests come back only if nobody was preempted",
+             "running [(0, 0.0, 8), (1, 1.0, 8)], swapped [(2,",
+             WRONG[4]),
+    ), compare_with=(
+        "Scheduler.schedule, _preempt and _schedule_swapped in course_lib/scheduler/scheduler.py,"
+        " and can_swap_out / swap_in_need in course_lib/memory/v0/manager.py")),
     Exercise("7.3", "cheaper_preemption", check_cheaper_preemption, hints=(
         "Recompute costs num_tokens x s_per_token. Swap moves whole blocks, and moves them "
         "twice: out now, back in later.",
         "One way: blocks x block_size x kv_bytes_per_token / 20e9 seconds of PCIe, plus "
         "blocks x 2 x 32 copy calls of 4e-6 s. Near the crossover the float order of your "
         "sums matters: decide a tie with math.isclose(recompute, swap, rel_tol=1e-9).",
-        "Read CostModel.recompute_time and swap_time in course_lib/sim/replay.py, and "
-        "preemption_costs beside them.",
-    ), solution=solutions.cheaper_preemption, wrong=(_swap_forgets_the_way_back,
-                                                     _tie_goes_to_swap, _swap_fractional_blocks)),
+    ), solution=solutions.cheaper_preemption, rules=(
+        Rule("swap moves the blocks twice: out now, back in later",
+             "(16, 16, 524288, 8.4",
+             _swap_forgets_the_way_back),
+        Rule("a tie goes to recompute",
+             "(16, 16, 524288, 8.4",
+             _tie_goes_to_swap),
+        Rule("swap moves whole blocks",
+             "(16, 256, 524288, 0.",
+             _swap_fractional_blocks),
+    ),
+        compare_with=(
+        "CostModel.recompute_time and swap_time in course_lib/sim/replay.py, and preemption_costs"
+        " beside them")),
     Exercise("7.4", "schedule_step", check_schedule_step, hints=(
         "Keep three running numbers: the free blocks, the budget left and the requests "
         "running. A request's blocks are ceil(tokens / block_size): what it needs this step is "
@@ -189,11 +223,19 @@ EXERCISES = Exercises(
         "request, give its blocks back, record it; stop the pass if it was the request "
         "itself. Waiting pass, only if nobody was preempted: stop at the first request whose "
         "chunk min(tokens, budget) does not get its blocks.",
-        "Read SchedulerV1.schedule and _schedule_waiting in course_lib/scheduler/v1.py, and "
-        "KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py.",
-    ), solution=solutions.schedule_step, wrong=(_admits_after_preempting,
-                                                _preempts_the_one_that_needs,
-                                                _no_chunked_prefill)),
+    ), solution=solutions.schedule_step, rules=(
+        Rule("waiting requests are admitted only if nobody was preempted",
+             "running [(0, 9, 8), (1, 9, 8), (",
+             _admits_after_preempting),
+        Rule("the victim is the last running request",
+             "running [(0, 9, 8), (1, 9, 8), (",
+             _preempts_the_one_that_needs),
+        Rule("a waiting request takes min(its tokens, budget left): a chunk",
+             "running [(0, 9, 8), (1, 5, 4",
+             _no_chunked_prefill),
+    ), compare_with=(
+        "SchedulerV1.schedule and _schedule_waiting in course_lib/scheduler/v1.py, and "
+        "KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py")),
 )
 
 

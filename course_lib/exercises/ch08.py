@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from course_lib import capacity as cap
-from course_lib.exercises import Exercise, Exercises, Verdict, check
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, check, rule_wrongs
 from course_lib.exercises.ch08_requests import (
     _average_request,
     _last_token_cached,
@@ -134,6 +134,7 @@ def tp_cases(seed: int = 12, count: int = 30) -> list[tuple]:
         (*llama8, 24, 8193, 5),          # one token past 8192: 513 blocks a request
         (*llama8, 16, 8192, 1),          # 16 GB of weights on 14.4 usable: TP 2
         (*llama8, 24, 17, 2500),         # 17 tokens take 2 blocks, 32 slots, not 17
+        (*_MODELS["Qwen2.5-7B"], 24, 32_768, 43),   # 28 heads: TP 8 splits the KV heads only
     ]
     rng = random.Random(seed)
     names = sorted(_MODELS)
@@ -154,6 +155,16 @@ def check_kv_heads_per_rank(fn: Callable[[int, int], int]) -> Verdict:
                  raises_as_value(reference_kv_heads_per_rank), HEAD_CASES)
 
 
+def shown_kv_heads_per_rank(num_kv_heads, tensor_parallel_size):
+    """8.2's broken function, as the notebook shows it (the learner returns it fixed)."""
+    tp = tensor_parallel_size
+    if tp > num_kv_heads:
+        return 1                                  # more ranks than heads: a copy each
+    if num_kv_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} cannot split {num_kv_heads} KV heads")
+    return num_kv_heads // tp
+
+
 # ----------------------------------------------------------------- the registry
 def _weights_not_split(L, H, KV, D, P, gib, max_len, n):
     """Wrong: every rank holds all the weights."""
@@ -170,10 +181,29 @@ def _tokens_not_blocks(L, H, KV, D, P, gib, max_len, n):
     return _search(L, H, KV, D, P, gib, max_len, n, whole_blocks=False)
 
 
+def _heads_not_checked(L, H, KV, D, P, gib, max_len, n):
+    """Wrong: a size need not divide num_attention_heads."""
+    return _search(L, H, KV, D, P, gib, max_len, n, heads_divide=False)
+
+
+def _kv_not_checked(L, H, KV, D, P, gib, max_len, n):
+    """Wrong: a size need not divide, or be a multiple of, num_kv_heads."""
+    return _search(L, H, KV, D, P, gib, max_len, n, kv_divide=False)
+
+
+def _never_raises(L, H, KV, D, P, gib, max_len, n):
+    """Wrong: returns num_attention_heads when no size works, instead of raising."""
+    try:
+        return _search(L, H, KV, D, P, gib, max_len, n)
+    except ValueError:
+        return H
+
+
 def _search(L, H, KV, D, P, gib, max_len, n, split_weights=True, sizes=None,
-            whole_blocks=True):
+            whole_blocks=True, heads_divide=True, kv_divide=True):
     for tp in sizes or range(1, H + 1):
-        if tp > H or H % tp or (KV % tp if tp <= KV else tp % KV):
+        if tp > H or (heads_divide and H % tp) or (
+                kv_divide and (KV % tp if tp <= KV else tp % KV)):
             continue
         block = 16 * L * 2 * max(1, KV // tp) * D * 2
         budget = 0.9 * gib * 2**30 - 2 * P / (tp if split_weights else 1)
@@ -195,31 +225,66 @@ EXERCISES = Exercises(
         "Per rank: weights 2 x num_params / tp bytes; max(1, num_kv_heads // tp) KV heads; "
         "a budget below 0 means this size does not fit. A request takes "
         "ceil(max_model_len / 16) whole blocks.",
-        "Read kv_heads_per_rank, block_bytes, available_kv_bytes and plan_kv_cache in "
-        "course_lib/capacity.py.",
-    ), solution=solutions.smallest_tp, wrong=(_weights_not_split, _powers_of_two,
-                                              _tokens_not_blocks)),
-    Exercise("8.2", "kv_heads_per_rank", check_kv_heads_per_rank, hints=(
-        "Two regimes: fewer ranks than heads (split them), more ranks than heads (each rank "
-        "keeps a copy of one). And a third answer: this TP cannot split the heads at all.",
-        "tp <= heads: heads % tp must be 0, the answer heads // tp. tp > heads: tp % heads "
-        "must be 0, the answer 1. tp < 1 is never valid. Otherwise raise ValueError.",
-        "Read kv_heads_per_rank in course_lib/capacity.py (it also handles MLA).",
-    ), solution=solutions.kv_heads_per_rank, wrong=(lambda h, tp: h // tp,
-                                                    lambda h, tp: max(1, h // tp))),
+        "Write the test of one size as its own function (allowed? budget? requests that fit?) "
+        "and check it by hand on a size that must fail for each reason.",
+    ), solution=solutions.smallest_tp, rules=(
+        Rule("the weights split evenly over the ranks", "(80, 64, 8, 128, 70553706496, 80, "
+             "8192, 1)", _weights_not_split),
+        Rule("try the sizes from 1 up (not only powers of two)", "(40, 24, 6, 128, "
+             "20000000000, 24, 8192, 40)", _powers_of_two),
+        Rule("a request holds whole blocks of 16 tokens", "(32, 32, 8, 128, 8030261248, 24, "
+             "17, 2500)", _tokens_not_blocks),
+        Rule("num_attention_heads must be a multiple of the size", "(28, 28, 4, 128, "
+             "7615616512, 24, 32768, 43)", _heads_not_checked),
+        Rule("the size and num_kv_heads divide one another (8.2's rule)", "(40, 24, 6, 128, "
+             "20000000000, 24, 8192, 40)", _kv_not_checked),
+        Rule("raise ValueError if no size up to num_attention_heads works", "(80, 64, 8, 128, "
+             "70553706496, 80, 32768, 10000)", _never_raises),
+    ), compare_with="kv_heads_per_rank, block_bytes, available_kv_bytes and plan_kv_cache in "
+                    "course_lib/capacity.py"),
+    Exercise("8.2", "fix kv_heads_per_rank", check_kv_heads_per_rank, hints=(
+        "Run the function above in your head on sizes it was not written for: more ranks "
+        "than heads but not a multiple of them (8 heads, 12 ranks), and tp = 0.",
+        "Two regimes, one rule between them: the larger of tp and num_kv_heads must be a "
+        "multiple of the smaller. And tp < 1 must be refused before anything divides by it.",
+    ), solution=solutions.kv_heads_per_rank, wrong=(shown_kv_heads_per_rank,), rules=(
+        Rule("with more ranks than heads each rank holds one (replicated) head",
+             "(8, 16)",
+             lambda h, tp: h // tp),
+        Rule("TP and the head count must divide one another, otherwise ValueError",
+             "(8, 3)",
+             lambda h, tp: max(1, h // tp)),
+        Rule("TP must be at least 1, otherwise ValueError",
+             "(8, 0)",
+             rule_wrongs.kv_heads_no_tp_check),
+    ), compare_with=(
+        "kv_heads_per_rank in course_lib/capacity.py (it also handles MLA)")),
     Exercise("8.3", "max_num_requests for a mix of lengths", check_max_num_requests, hints=(
         "Do not look for a formula: simulate. Keep a list need[s], the blocks the admitted "
         "requests hold in step s, and add the requests one at a time, in order.",
         "Request (p, o) adds cdiv(p + s, block_size) to need[s] for s in range(o), nothing "
         "after (it has left). Stop at the first request that pushes max(need) over "
         "num_gpu_blocks: the answer is the number admitted before it.",
-        "cdiv(x, bs) is -(-x // bs) (course_lib.sizing.units.cdiv). Then read "
-        "max_concurrency in course_lib/capacity.py, "
-        "vLLM's figure for requests that all reach max_model_len, and Scheduler.schedule in "
-        "course_lib/scheduler/scheduler.py, where append_decode asks for these blocks one "
-        "step at a time and preempts when they run out.",
+        "cdiv(x, bs) is -(-x // bs).",
     ), solution=solutions.max_num_requests,
-        wrong=(_reserve_final_size, _mix_tokens_not_blocks, _last_token_cached, _average_request)),
+        rules=(
+        Rule("a request holds the blocks of its tokens so far, growing step by step",
+             "pool of 6 bl",
+             _reserve_final_size),
+        Rule("requests hold whole blocks, not token slots",
+             "pool of 231 blocks of 32",
+             _mix_tokens_not_blocks),
+        Rule("in step s a request holds p + s tokens (the token just sampled has no slot yet)",
+             "pool of 1 block of 16, requests (prompt_len, output_len) [(16, 1",
+             _last_token_cached),
+        Rule("the requests are added one at a time, in order (not an average request)",
+             "pool of 6 bl",
+             _average_request),
+    ),
+        compare_with=(
+        "max_concurrency in course_lib/capacity.py, vLLM's figure for requests that all reach "
+        "max_model_len, and Scheduler.schedule in course_lib/scheduler/scheduler.py, where "
+        "append_decode asks for these blocks one step at a time and preempts when they run out")),
 )
 
 

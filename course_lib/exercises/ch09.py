@@ -15,12 +15,14 @@ rank that differs.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, judge_cases, returns
 from course_lib.exercises.solutions import ch09 as solutions
 from course_lib.parallel.cp_decode import CPCase
 from course_lib.parallel.merge import partial_attention
@@ -157,8 +159,67 @@ def _judge_decode(case: tuple, got, describe: bool = False) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _watched(fn: Callable, calls: list[torch.Tensor]) -> Iterator[None]:
+    """While ``fn`` runs, ``partial_attention`` (the module's, and any global name of ``fn``
+    bound to it, as a notebook's import makes) notes the keys of each call in ``calls``."""
+    from course_lib.parallel import merge
+
+    original = merge.partial_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append(k)
+        return original(q, k, v, *args, **kwargs)
+
+    names = [n for n, value in getattr(fn, "__globals__", {}).items() if value is original]
+    merge.partial_attention = spy
+    for n in names:
+        fn.__globals__[n] = spy
+    try:
+        yield
+    finally:
+        merge.partial_attention = original
+        for n in names:
+            fn.__globals__[n] = original
+
+
+def _ranks_merged(case: tuple, calls: list[torch.Tensor]) -> str | None:
+    """``None`` if every rank that holds tokens went through ``partial_attention`` on its
+    own tokens alone, and no call mixed ranks; else the problem in words."""
+    q, k, v, owner, cp = case
+    mine = {r: k[[i for i, o in enumerate(owner) if o == r]] for r in range(cp)}
+
+    def rank_of_call(keys: torch.Tensor) -> int | None:
+        return next((r for r, ks in mine.items() if ks.shape == keys.shape
+                     and torch.equal(ks, keys.to(ks.dtype))), None)
+
+    where = _judge_decode(case, None, describe=True)
+    for keys in calls:
+        if rank_of_call(keys) is None:
+            return (f"{where}: partial_attention was called on {keys.shape[0]} key(s) that "
+                    "are not one rank's tokens: each rank attends over its own tokens only "
+                    "(k[i] for owner[i] == r), and the ranks' results are then merged")
+    attended = {rank_of_call(keys) for keys in calls}
+    missed = [r for r in range(cp) if mine[r].shape[0] and r not in attended]
+    if missed:
+        return (f"{where}: right numbers, but rank(s) {missed} never attended over their "
+                "tokens with partial_attention(q, k_r, v_r): this exercise is the merge of the "
+                "ranks' partial results, not attention over all the tokens at once")
+    return None
+
+
+def _judge_cp(learner: Callable, case: tuple) -> str | None:
+    calls: list[torch.Tensor] = []
+    with _watched(learner, calls):
+        got = learner(*copy.deepcopy(case))
+    return _judge_decode(case, got) or _ranks_merged(case, calls)
+
+
 def check_cp_decode(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Verdict:
-    return judge_cases("9.2 cp_decode", fn, _decode_cases(), returns(_judge_decode),
+    """Exercise 9.2: ``cp_decode(q, k, v, owner, cp_size) -> (out, lse)``, each rank's
+    ``partial_attention`` over its own tokens, merged; attention over all the tokens at once
+    gives the same numbers but fails (the merge is the exercise)."""
+    return judge_cases("9.2 cp_decode", fn, _decode_cases(), _judge_cp,
                        _where(_judge_decode))
 
 
@@ -250,6 +311,11 @@ def _balanced_decode(prompt_len, cp_size, interleave_size, num_gpu_blocks, block
     return num_gpu_blocks * block_size - prompt_len // cp_size     # forgets the last range
 
 
+def _dense(q, k, v, owner, cp_size):
+    """Wrong for this exercise: attention over all the tokens at once, no ranks, no merge."""
+    return partial_attention(q, k, v)
+
+
 EXERCISES = Exercises(
     Exercise("9.1", "place_tokens", check_place_tokens, hints=(
         "Decide the rank of one position at a time, then loop over positions 0 .. prompt_len "
@@ -257,19 +323,35 @@ EXERCISES = Exercises(
         "Interleaved: chunk number position // interleave_size, dealt round-robin, so rank "
         "(position // interleave_size) % cp_size. Contiguous: a prompt position p is on the "
         "rank r with r * P // cp <= p < (r + 1) * P // cp; a decode token on rank cp - 1.",
-        "Read CPCase.rank_of in course_lib/parallel/cp_decode.py and split_ranges in "
-        "course_lib/parallel/merge.py; draw_cp_layout draws the result.",
-    ), solution=solutions.place_tokens, wrong=(_ceil_ranges, _interleave_tokens_not_chunks),
-        trivial=(lambda *a: None, lambda *a: [])),
+    ), solution=solutions.place_tokens, rules=(
+        Rule("contiguous: rank r holds positions r * P // cp .. (r + 1) * P // cp - 1",
+             "prompt 21, 6 decode steps, cp_size 4, co",
+             _ceil_ranges),
+        Rule("interleaved: chunks of interleave_size positions, dealt round-robin",
+             "prompt 21, 6 decode steps, cp_size 4, in",
+             _interleave_tokens_not_chunks),
+    ),
+        trivial=(lambda *a: None, lambda *a: []), compare_with=(
+        "CPCase.rank_of in course_lib/parallel/cp_decode.py and split_ranges in "
+        "course_lib/parallel/merge.py; draw_cp_layout draws the result")),
     Exercise("9.2", "cp_decode", check_cp_decode, hints=(
         "Per rank r: the indices i with owner[i] == r; partial_attention(q, k[idx], v[idx]) "
         "gives (out_r, lse_r), and (zeros, -inf) for a rank with no token.",
         "Merge as the network does: m = the MAX of the lse_r (one all-reduce), w_r = exp(lse_r "
         "- m), then the SUM of w_r * out_r and the SUM of w_r (two more): out = num / den, "
         "lse = m + log(den). Subtracting m keeps exp() finite and an empty rank at weight 0.",
-        "Read cp_merge in course_lib/parallel/cp_decode.py (the all-reduce version) and "
-        "merge_partials in course_lib/parallel/merge.py.",
-    ), solution=solutions.cp_decode, wrong=(_no_max, _lse_is_the_max)),
+        "An empty rank's lse is -inf: after subtracting m its weight exp(-inf) is 0, so it "
+        "needs no special case; but if every weight were computed without m, one score in "
+        "the thousands makes exp() inf.",
+    ), solution=solutions.cp_decode, rules=(
+        Rule("subtract the MAX of the ranks' LSEs before exp (scores in the thousands)",
+             "12 tokens on 3 ranks", _no_max),
+        Rule("lse is the union's: max + log(SUM of the weights)", "11 tokens on 2 ranks",
+             _lse_is_the_max),
+        Rule("each rank attends over its own tokens only, and the results are merged",
+             "11 tokens on 2 ranks", _dense),
+    ), compare_with="cp_merge in course_lib/parallel/cp_decode.py (the all-reduce version) and "
+                    "merge_partials in course_lib/parallel/merge.py"),
     Exercise("9.3", "max_decode_steps", check_max_decode_steps, hints=(
         "Count the prompt tokens each rank holds (your 9.1), then add decode tokens one at a "
         "time to the rank their position goes to; stop when that rank already holds "
@@ -277,9 +359,17 @@ EXERCISES = Exercises(
         "Contiguous: every decode token lands on the last rank, so the answer is that rank's "
         "room left after its prompt range. Interleaved: the ranks fill in turn, and the first "
         "rank that is full when its turn comes ends the run.",
-        "The same placement as CPCase.rank_of in course_lib/parallel/cp_decode.py; "
-        "capacity.context_parallel_capacity in course_lib/capacity.py is the best case.",
-    ), solution=solutions.max_decode_steps, wrong=(_whole_pool, _balanced_decode)),
+    ), solution=solutions.max_decode_steps, rules=(
+        Rule("a token goes to the rank its position is placed on (as in 9.1), not to any rank "
+             "with room",
+             "prompt 20, cp_size 4, co",
+             _whole_pool),
+        Rule("contiguous: every decode token goes to the last rank",
+             "prompt 3, cp_size 4, con",
+             _balanced_decode),
+    ), compare_with=(
+        "CPCase.rank_of in course_lib/parallel/cp_decode.py; capacity.context_parallel_capacity "
+        "in course_lib/capacity.py is the best case")),
 )
 
 

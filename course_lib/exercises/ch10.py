@@ -6,9 +6,10 @@ article's prefix-caching speed-up in numbers (:func:`article_prefix_case`).
 
 Exercises: a step's flat batch (positions, and the rows the sampler reads: none for a prefill
 chunk that stops short of the prompt's end), one beam-search step (cumulative log-probabilities,
-forks and drops), the memory sharing saves. ``tests/test_exercises_ch10.py`` checks the
-references against the engine (``make_attention_metadata``, the scheduler's beam step,
-``workloads.saving_of_tables``). 10.2's reference and checker live in
+forks and drops), predictions of the memory sharing saves (each scenario played on a
+``BlockManager``). ``tests/test_exercises_ch10.py`` checks the references against the engine
+(``make_attention_metadata``, the scheduler's beam step, ``workloads.saving_of_tables``).
+10.2's reference and checker live in
 :mod:`course_lib.exercises.ch10_beams` (the notebook calls ``ch10_beams.check_beam_step``);
 this module registers 10.2 with its hints.
 """
@@ -23,12 +24,24 @@ from course_lib import capacity as cap
 from course_lib.claims.sources_claim import cite
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.workloads import PAPER_SHARING_SAVINGS, saving_of_tables, sharing_savings
-from course_lib.exercises import Exercise, Exercises, Verdict, check, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Scenario,
+    Verdict,
+    ch10_beams,
+    judge_cases,
+    judge_predictions,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.ch10_beams import WRONG as _WRONG_BEAMS
 from course_lib.exercises.ch10_beams import (
     check_beam_step,
 )
 from course_lib.exercises.solutions import ch10 as solutions
+from course_lib.memory.v0.manager import BlockManager
 from course_lib.scheduler.metrics import Metrics
 from course_lib.sequence import SamplingParams
 from course_lib.sim.traces import TraceRequest
@@ -183,20 +196,55 @@ def check_flatten_step(fn: Callable[[list[Entry]], tuple[list[int], list[int | N
 
 
 def sharing_saving(tables: list[list[int]]) -> float:
-    """Reference of 10.3: ``1 - distinct blocks / table entries`` at one instant."""
+    """``1 - distinct blocks / entries`` of block tables at one instant (0.0 for none)."""
     return saving_of_tables(tables)
 
 
-def check_sharing_saving(fn: Callable[[list[list[int]]], float]) -> Verdict:
-    rng = random.Random(12)
-    cases = [([],), ([[1, 2, 3]],), ([[1, 2, 3], [1, 2, 4]],), ([[0], [0], [0], [0]],),
-             ([[], [4]],)]
-    for _ in range(10):
-        prefix = rng.sample(range(100, 200), rng.randint(0, 5))
-        cases.append(([prefix + rng.sample(range(100), rng.randint(1, 4))
-                       for _ in range(rng.randint(1, 6))],))
-    return check("10.3 sharing_saving", fn, sharing_saving, cases,
-                 compare=lambda got, want: isinstance(got, int | float) and abs(got - want) < 1e-9)
+def _samples_saving(num_samples: int, prompt_len: int, writes: int = 0,
+                    freed: int = 0) -> Callable[[], float]:
+    """The saving of the live tables after ``num_samples`` samples fork from one prompt (blocks
+    of 16 tokens), each then writes ``writes`` tokens, and ``freed`` of them are freed."""
+    def run() -> float:
+        m = BlockManager(16, 64, watermark=0.0)
+        m.allocate(0, list(range(prompt_len)))
+        for child in range(1, num_samples):
+            m.fork(0, child)
+        for _ in range(writes):
+            for seq in range(num_samples):
+                m.append_slots(seq, [0])
+        for seq in range(freed):
+            m.free(seq)
+        return sharing_saving([m.get_block_table(s) for s in m.seq_ids()])
+    return run
+
+
+SHARING_SCENARIOS = (
+    Scenario("a", "4 samples of a 32-token prompt, before any of them writes",
+             _samples_saving(4, 32)),
+    Scenario("b", "4 samples of a 30-token prompt, after each wrote one token",
+             _samples_saving(4, 30, writes=1)),
+    Scenario("c", "2 samples of a 32-token prompt, after each wrote one token",
+             _samples_saving(2, 32, writes=1)),
+    Scenario("d", "3 samples of a 32-token prompt, after one of them was freed",
+             _samples_saving(3, 32, freed=1)),
+)
+
+
+def check_sharing_predictions(fn: Callable[[], dict]) -> Verdict:
+    """10.3: each scenario played on a ``BlockManager``, its tables' saving against the
+    learner's prediction."""
+    return judge_predictions("10.3 sharing_predictions", fn, SHARING_SCENARIOS)
+
+
+def _sharing_predictions(**changed: float) -> Callable[[], dict]:
+    """A wrong answer: the solution's predictions with ``changed`` ones."""
+    return lambda: {**solutions.sharing_predictions(), **changed}
+
+
+_DISTINCT_OVER_ENTRIES = _sharing_predictions(a=0.25)     # forgot the "1 -"
+_EVERY_WRITER_COPIES = _sharing_predictions(b=0.25)       # 4 copies, not 3
+_NEW_BLOCKS_FORGOTTEN = _sharing_predictions(c=0.5)       # the blocks opened for the new token
+_FREED_STILL_COUNTED = _sharing_predictions(d=2 / 3)      # the freed table still counted
 
 
 def _wrong_rows_always(entries):                 # samples after every chunk
@@ -219,26 +267,62 @@ EXERCISES = Exercises(
         "num_computed + num_new - 1.",
         "The sampler reads only the last new token's row, and only when the chunk reaches "
         "the sequence's end (num_computed + num_new == num_tokens); otherwise append None.",
-        "Read make_attention_metadata and AttentionMetadata.last_token_indices in "
-        "course_lib/model/attention.py, and how num_candidates is 0 for a short chunk "
-        "(SamplingParams.num_candidates in course_lib/sequence.py).",
     ), solution=solutions.flatten_step,
-        wrong=(_wrong_rows_always, _wrong_positions_from_zero)),
+        rules=(
+        Rule("sample_rows is None when the chunk stops before the sequence's last token",
+             "batch [(40, 0, 1",
+             _wrong_rows_always),
+        Rule("positions start at num_computed",
+             "batch [(5, 4",
+             _wrong_positions_from_zero),
+        Rule("rows are counted over the whole batch, entry after entry",
+             "batch [(40, 32, ",
+             rule_wrongs.flatten_rows_per_entry),
+    ), compare_with=(
+        "make_attention_metadata and AttentionMetadata.last_token_indices in "
+        "course_lib/model/attention.py, and how num_candidates is 0 for a short chunk "
+        "(SamplingParams.num_candidates in course_lib/sequence.py)")),
     Exercise("10.2", "beam_step", check_beam_step, hints=(
         "Every (beam, token) pair is a candidate scored score + logprob, where logprob = "
         "logit - logsumexp(logits of that beam); subtract the max before exp().",
         "Put the candidates of all beams in one list, sort by (-score, tokens + [token]) and "
         "keep the first width: a beam picked twice forks, a beam never picked is dropped.",
-        "Read _beam_step in course_lib/scheduler/output_processor.py (and the sampler's beam "
-        "branch in course_lib/engine/sampler.py, which hands it 2 x width candidates a beam).",
-    ), solution=solutions.beam_step, wrong=_WRONG_BEAMS),
-    Exercise("10.3", "sharing_saving", check_sharing_saving, hints=(
-        "Entries: the sum of the tables' lengths. Distinct blocks: a set of every block id.",
-        "Return 0.0 when there are no entries at all (no tables, or only empty ones).",
-        "Read saving_of_tables in course_lib/engine/workloads.py.",
-    ), solution=solutions.sharing_saving,
-        wrong=(lambda ts: 1 - len({b for t in ts for b in t}) / sum(map(len, ts)),   # no 0.0
-               lambda ts: 1 - sum(len(set(t)) for t in ts) / max(1, sum(map(len, ts))))),
+        "Ties: two candidates of equal score, from different beams, can end in the same "
+        "token; the whole list tokens + [token] decides, not the new token alone.",
+    ), solution=solutions.beam_step, wrong=_WRONG_BEAMS, rules=(
+        Rule("scores are cumulative: the parent's score plus this token's log-probability",
+             "beams [([5], -0.5)], width 1", _WRONG_BEAMS[0]),
+        Rule("the width best over all beams (a beam may fork or be dropped)",
+             "beams [([1], -0.1), ([2], -9.0)], width 2", _WRONG_BEAMS[1]),
+        Rule("ties go to the smaller tokens + [token] list", "beams [([5], -1.0), ([2], "
+             "-1.0)], width 2", ch10_beams._wrong_ties_by_score_only),
+        Rule("ties compare the whole list, not the new token", "beams [([5], -1.0), ([2], "
+             "-1.0)], width 2", ch10_beams._wrong_ties_by_last_token),
+        Rule("large logits (800): subtract the max before exp", "beams [([7], -1.0), ([3], "
+             "-1.2)], width 2", ch10_beams._wrong_no_max),
+    ), compare_with="_beam_step in course_lib/scheduler/output_processor.py (and the "
+                    "sampler's beam branch in course_lib/engine/sampler.py, which hands it "
+                    "2 x width candidates a beam)"),
+    Exercise("10.3", "predict what sharing saves", check_sharing_predictions, hints=(
+        "Draw each sample's table as a row of block ids, blocks of 16 tokens; a forked "
+        "sample's row is a copy of the parent's. Count the entries (every box of every row) "
+        "and the distinct ids.",
+        "A write into a partial block shared by k samples: the first k - 1 writers copy it, "
+        "the last one writes in place. A write after a full block opens a new block for that "
+        "sample alone.",
+        "A freed sample's row is gone: its entries leave the count, its blocks stay while "
+        "another row holds them.",
+    ), solution=solutions.sharing_predictions, rules=(
+        Rule("the saving is 1 - distinct blocks / table entries", "a (4 samples of a 32",
+             _DISTINCT_OVER_ENTRIES),
+        Rule("a shared partial block: k - 1 copies, the last writer keeps it",
+             "b (4 samples of a 30", _EVERY_WRITER_COPIES),
+        Rule("after a full block each writer opens a block of its own", "c (2 samples",
+             _NEW_BLOCKS_FORGOTTEN),
+        Rule("only the tables of live sequences count", "d (3 samples", _FREED_STILL_COUNTED),
+    ), trivial=(lambda *a: None, lambda *a: {}), compare_with=(
+        "saving_of_tables in course_lib/engine/workloads.py and BlockUsage.sharing_saving in "
+        "course_lib/memory/common.py")),
 )
 
 

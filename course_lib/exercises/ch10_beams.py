@@ -47,7 +47,8 @@ def _beam_cases() -> list[tuple[list[Beam], list[list[float]], int]]:
              ([([], 0.0)], [[0.0, 0.0, 0.0, 0.0]], 2),             # ties: smaller token first
              ([([1], -0.1), ([2], -9.0)], [[0.0, 5.0, 1.0], [9.0, 0.0, 0.0]], 2),   # drop one
              ([([7], -1.0), ([3], -1.2)], [[800.0, 0.0, 799.0], [0.0, 801.0, 0.0]], 2),
-             ([([], 0.0)], [[1.0, 2.0]], 3)]                       # fewer tokens than width
+             ([([], 0.0)], [[1.0, 2.0]], 3),                       # fewer tokens than width
+             ([([5], -1.0), ([2], -1.0)], [[0.0, 0.0], [0.0, 0.0]], 2)]   # ties across beams
     for _ in range(25):
         width, vocab, length = rng.randint(1, 4), rng.randint(3, 12), rng.randint(1, 5)
         beams = [([rng.randrange(vocab) for _ in range(length)], round(-rng.random() * 6, 3))
@@ -81,6 +82,9 @@ def _judge_beams(case: tuple, got) -> str | None:
     if (got[i][0], got[i][2]) == (want[i][0], want[i][2]) and math.isclose(
             got[i][1], want[i][1] - beams[want[i][2]][1], abs_tol=1e-6):
         problem += ": scores are cumulative (add the parent beam's score)"
+    elif math.isclose(got[i][1], want[i][1], abs_tol=1e-9) and got[i][0] != want[i][0]:
+        problem += (f": a tie; the smaller whole list tokens + [token] goes first "
+                    f"({want[i][0]} < {got[i][0]})")
     return problem
 
 
@@ -97,6 +101,34 @@ def _wrong_not_cumulative(beams, logits, width):  # ranks by this step's logprob
 def _wrong_top_per_beam(beams, logits, width):    # keeps the best token of every beam
     picks = [solutions.beam_step([b], [r], 1)[0] for b, r in zip(beams, logits, strict=True)]
     return [(t, s, i) for i, (t, s, _) in enumerate(picks)][:width]
+
+
+def _candidates(beams, logits, exp=math.exp):
+    out = []
+    for parent, ((tokens, score), row) in enumerate(zip(beams, logits, strict=True)):
+        top = max(row)
+        lse = top + math.log(sum(exp(x - top) for x in row))
+        out += [(score + x - lse, [*tokens, t], parent) for t, x in enumerate(row)]
+    return out
+
+
+def _wrong_ties_by_score_only(beams, logits, width):   # ties keep the beams' order
+    scored = sorted(_candidates(beams, logits), key=lambda c: -c[0])
+    return [(t, s, p) for s, t, p in scored[:width]]
+
+
+def _wrong_ties_by_last_token(beams, logits, width):   # ties to the smaller new token only
+    scored = sorted(_candidates(beams, logits), key=lambda c: (-c[0], c[1][-1]))
+    return [(t, s, p) for s, t, p in scored[:width]]
+
+
+def _wrong_no_max(beams, logits, width):               # exp(800) overflows
+    scored = []
+    for parent, ((tokens, score), row) in enumerate(zip(beams, logits, strict=True)):
+        lse = math.log(sum(math.exp(x) for x in row))
+        scored += [(score + x - lse, [*tokens, t], parent) for t, x in enumerate(row)]
+    scored.sort(key=lambda c: (-c[0], c[1]))
+    return [(t, s, p) for s, t, p in scored[:width]]
 
 
 WRONG = (_wrong_not_cumulative, _wrong_top_per_beam)

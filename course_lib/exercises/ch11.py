@@ -2,7 +2,8 @@
 
 * 11.1 ``append_slots(bm, seq_id, token_ids)``: reserve slots for new tokens on the real
   :class:`~course_lib.memory.v0.manager.BlockManager`, copying a shared partial last block first
-  (copy-on-write). The checker routes every append of the engine's block manager through it.
+  (copy-on-write); the learner fixes :func:`shown_append_slots`, the broken one the notebook
+  shows. The checker routes every append of the engine's block manager through it.
 * 11.2 ``cache_ops(eng, out)``: run a step's ``blocks_to_swap_out``, ``blocks_to_swap_in`` and
   ``blocks_to_copy`` on ``eng.gpu_caches`` / ``eng.cpu_caches`` (one ``(key, value)`` pair per
   layer), in the order the block manager's contract requires. The checker tries it on cache
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.exercises import Exercise, Exercises, Verdict
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict
 from course_lib.exercises import capstone_checks as checks
 from course_lib.exercises import ch11_serving as serving
 from course_lib.exercises.ch11_serving import check_serving_metrics
@@ -199,7 +200,7 @@ def check_cache_ops(fn: CacheOpsFn, model: TinyLlama | None = None) -> Verdict:
     if small.first_problem:
         problem = (f"{problem}; on a small cache: " if problem else "") + small.first_problem
     return Verdict("11.2 cache_ops", small.passed + runs.passed, small.total + runs.total,
-                   problem)
+                   problem, cases=small.cases + runs.cases, failed=small.failed + runs.failed)
 
 
 def check_capstone(append: AppendFn, cache_ops: CacheOpsFn,
@@ -209,31 +210,68 @@ def check_capstone(append: AppendFn, cache_ops: CacheOpsFn,
                                cache_ops=cache_ops)
 
 
+def shown_append_slots(bm: BlockManager, seq_id: int, token_ids: list[int]
+                       ) -> list[tuple[int, int]]:
+    """11.1's broken append, as the notebook shows it: two bugs (the learner returns it
+    fixed)."""
+    table = bm.get_table(seq_id)
+    blocks = table.writable_blocks()
+    bs, n = bm.block_size, len(table.token_ids)
+    copies = []
+    if bm.gpu.ref_counts[blocks[-1]] > 1:                # shared: copy it before writing
+        src = blocks[-1]
+        blocks[-1] = bm.gpu.allocate()
+        copies.append((src, blocks[-1]))
+    while len(blocks) * bs < n + len(token_ids):         # then fresh blocks until all fit
+        blocks.append(bm.gpu.allocate())
+    table.token_ids.extend(token_ids)
+    return copies
+
+
 EXERCISES = Exercises(
-    Exercise("11.1", "append_slots with copy-on-write", check_append_slots, hints=(
-        "Read the table (bm.get_table(seq_id)); change its block list through "
-        "table.writable_blocks(), never table.blocks directly. n = len(table.token_ids) "
-        "tokens already have a slot.",
-        "Copy first, then grow: the last block is copied only if it is partial (n % "
-        "block_size != 0) and shared (bm.gpu.ref_counts[last] > 1): take bm.gpu.allocate() "
-        "in its place, bm.gpu.release([old]) and report (old, new). Then append fresh blocks "
-        "until len(blocks) * block_size >= n + len(token_ids), and extend token_ids.",
-        "Exercise 5.3 wrote the same rule on a toy; compare with BlockManager.append_slots "
-        "in course_lib/memory/v0/manager.py (and the scheduler's twin, "
-        "FastBlockManager.append_decode, in course_lib/memory/v0/fast.py).",
-    ), solution=solutions.append_slots, wrong=checks.WRONG_APPENDS,
-        trivial=(lambda *a: None, lambda *a: [])),
+    Exercise("11.1", "fix append_slots with copy-on-write", check_append_slots, hints=(
+        "Follow the function above through a fork: parent and child share every block, "
+        "count 2. The parent appends and copies its last block: what count does the old block "
+        "keep, and who still points at it?",
+        "Now let the last block be full when they fork. The new token cannot go into it "
+        "anyway: is there anything to copy?",
+        "Two fixes: copy only a last block that is partial (n % block_size != 0) and shared, "
+        "and after taking the fresh block drop one reference to the old one.",
+    ), solution=solutions.append_slots, wrong=(shown_append_slots,), rules=(
+        Rule("a partial shared last block is replaced by a fresh one (copy-on-write)",
+             "workload 1 (",
+             checks.WRONG_APPENDS[0]),
+        Rule("drop one reference to the old block",
+             "workload 1 (",
+             checks.WRONG_APPENDS[1]),
+        Rule("only a partial last block is copied; a full one is not",
+             "workload 4 (",
+             checks.WRONG_APPENDS[2]),
+    ),
+        trivial=(lambda *a: None, lambda *a: []), compare_with=(
+        "BlockManager.append_slots in course_lib/memory/v0/manager.py (and the scheduler's twin, "
+        "FastBlockManager.append_decode, in course_lib/memory/v0/fast.py)")),
     Exercise("11.2", "the step's cache operations", check_cache_ops, hints=(
         "One layer at a time: key, value = eng.gpu_caches[layer]; block b is key[b] (all its "
         "slots and heads). Moving a block is an assignment, dst[d] = src[s]; do keys and "
         "values alike.",
         "Order: swap-out first (the GPU blocks it empties may already be the destination of "
-        "a swap-in or a copy in this same step), then swap-in (a copy may read a block that "
+        "a swap-in or a copy in this same step), then swap-in (a copy may copy from a block that "
         "just came back), then the copies.",
-        "Read ModelRunner.execute_cache_ops in course_lib/engine/model_runner.py and "
-        "swap_blocks / copy_blocks in course_lib/kernels/cache_ops.py.",
-    ), solution=solutions.cache_ops, wrong=checks.WRONG_CACHE_OPS,
-        trivial=(lambda *a: None,)),
+    ), solution=solutions.cache_ops, rules=(
+        Rule("swap-out before swap-in (a swap-in may land in a block the swap-out empties)",
+             "swap out [(2",
+             checks.WRONG_CACHE_OPS[0]),
+        Rule("copies last (a copy may read a block just swapped in)",
+             "swap out [], swap in [(3",
+             checks.WRONG_CACHE_OPS[1]),
+        Rule("keys and values of every layer",
+             "swap out [(1, 0)",
+             checks.WRONG_CACHE_OPS[2]),
+    ),
+        trivial=(lambda *a: None,), compare_with=(
+        "ModelRunner.execute_cache_ops in course_lib/engine/model_runner.py and swap_blocks / "
+        "copy_blocks in course_lib/kernels/cache_ops.py")),
     Exercise("11.3", "serving_metrics", check_serving_metrics, hints=(
         "Per request: TTFT = times[0] - sent and E2EL = times[-1] - sent. The gaps "
         "between consecutive token times are its inter-token latencies; put every request's "
@@ -242,12 +280,22 @@ EXERCISES = Exercises(
         "with at least two tokens have one. Report np.mean(xs) and np.percentile(xs, "
         "percentile) (linear interpolation, not the nearest rank), times 1000 for "
         "milliseconds; an empty list counts as [0].",
-        "Read calculate_metrics in vLLM's vllm/benchmarks/serve.py, then the course's "
+    ), solution=solutions.serving_metrics, rules=(
+        Rule("TPOT = (last token - first token) / (tokens - 1)",
+             "1 request(s): records [(0, [0.25",
+             serving.WRONG[0]),
+        Rule("percentiles with np.percentile (linear interpolation)",
+             "4 request(s): records [(0, [",
+             serving.WRONG[1]),
+        Rule("ITL pools every gap of all the requests in one list",
+             "2 request(s): records [(0, [0.1,",
+             serving.WRONG[2]),
+    ),
+        trivial=(lambda *a: None, lambda *a: {n: (0.0, 0.0) for n in serving.NAMES}), compare_with=(
+        "calculate_metrics in vLLM's vllm/benchmarks/serve.py, then the course's "
         "Metrics.observe_step / observe_finished in course_lib/scheduler/metrics.py: the "
         "histograms vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds and "
-        "vllm:request_time_per_output_token_seconds record the same quantities.",
-    ), solution=solutions.serving_metrics, wrong=serving.WRONG,
-        trivial=(lambda *a: None, lambda *a: {n: (0.0, 0.0) for n in serving.NAMES})),
+        "vllm:request_time_per_output_token_seconds record the same quantities")),
 )
 
 

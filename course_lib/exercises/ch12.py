@@ -1,9 +1,9 @@
-"""Chapter 12 exercises: vLLM V1's free-block queue, SGLang's token-level prefix match, and
-V1's ``allocate_slots`` (its checker is in :mod:`course_lib.exercises.ch12_allocate`).
+"""Chapter 12 exercises: predictions of vLLM V1's free-block queue, SGLang's token-level prefix
+match, and V1's ``allocate_slots`` (its checker is in :mod:`course_lib.exercises.ch12_allocate`).
 
 References run the library's ``BlockPool`` (V1), ``RadixCache`` (SGLang) and ``KVCacheManager``
-on the same input; feedback names the first queue position (and the block's kind), the prompt,
-or the operation and the room it had, that differs.
+on the same input; feedback names the first scenario predicted wrong (with the library's
+value), the prompt, or the operation and the room it had, that differs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from course_lib.exercises import Exercise, Exercises, Verdict, judge_cases, returns
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Scenario,
+    Verdict,
+    judge_cases,
+    judge_predictions,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.ch12_allocate import check_allocate_slots
 from course_lib.exercises.solutions import ch12 as solutions
 from course_lib.memory.radix.radix_cache import RadixCache
@@ -39,45 +49,54 @@ def free_queue_after(queue: list[int], table: list[tuple[int, bool]]) -> list[in
     return [b.block_id for b in free.get_all_free_blocks()]
 
 
-def check_free_queue_after(fn: Callable[[list[int], list[tuple[int, bool]]], list[int]]
-                           ) -> Verdict:
-    rng = random.Random(12)
-    cases = [([], [(0, False)]), ([5, 6], [(0, True), (1, True), (2, False)]),
-             ([3], [(0, False), (1, False)]), ([1, 2], [])]
-    for _ in range(30):
-        ids = rng.sample(range(24), rng.randint(0, 12))
-        split = rng.randint(0, len(ids))
-        queue = ids[:split]
-        cached_prefix = rng.randint(0, len(ids) - split)
-        table = [(b, i < cached_prefix) for i, b in enumerate(ids[split:])]
-        cases.append((queue, table))
-
-    def judge(case: tuple, got) -> str | None:
-        queue, table = case
-        want = free_queue_after(queue, table)
-        if not isinstance(got, (list, tuple)):
-            return (f"queue {queue}, freeing {table}: returned {got!r}, a list of block ids "
-                    "(front first) was expected")
-        got = [int(b) for b in got]
-        if got == want:
-            return None
-        return (f"queue {queue}, freeing {table} ((block, cached)): "
-                + _queue_diff(got, want, dict(table)))
-
-    return judge_cases("12.1 free_queue_after", fn, cases, returns(judge),
-                       lambda c: f"queue {c[0]}, freeing {c[1]}")
+def _front(queue: list[int], table: list[tuple[int, bool]]) -> Callable[[], int]:
+    return lambda: free_queue_after(queue, table)[0]
 
 
-def _queue_diff(got: list[int], want: list[int], cached: dict[int, bool]) -> str:
-    i = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w),
-             min(len(got), len(want)))
-    if i == len(want) or i == len(got):
-        return f"{len(got)} free blocks, should be {len(want)}"
-    b = want[i]
-    kind = ("a freed cached block: to the back, tail of the table first" if cached.get(b)
-            else "a freed uncached block: to the front, tail of the table first"
-            if b in cached else "a block that was already free")
-    return f"position {i} of the queue is block {got[i]}, should be block {b} ({kind})"
+def _back(queue: list[int], table: list[tuple[int, bool]]) -> Callable[[], int]:
+    return lambda: free_queue_after(queue, table)[-1]
+
+
+def _position(queue: list[int], table: list[tuple[int, bool]], block: int
+              ) -> Callable[[], int]:
+    return lambda: free_queue_after(queue, table).index(block)
+
+
+SCENARIOS = (
+    Scenario("a", "queue [5, 6], then a request holding blocks 0, 1 (cached) and 2 (not "
+                  "cached) is freed: the block at the front",
+             _front([5, 6], [(0, True), (1, True), (2, False)])),
+    Scenario("b", "queue [5, 6], then a request holding blocks 0, 1 (cached) and 2 (not "
+                  "cached) is freed: the block at the back",
+             _back([5, 6], [(0, True), (1, True), (2, False)])),
+    Scenario("c", "queue [3], then a request holding blocks 0 and 1 (not cached) is "
+                  "freed: the block at the front",
+             _front([3], [(0, False), (1, False)])),
+    Scenario("d", "queue [7], then a request holding blocks 0, 1 and 2 (cached) is freed: "
+                  "the block at the front",
+             _front([7], [(0, True), (1, True), (2, True)])),
+    Scenario("e", "queue [4, 5], then a request holding blocks 0, 1, 2 (cached) and 3 (not "
+                  "cached) is freed: the position of block 0 (the front is 0)",
+             _position([4, 5], [(0, True), (1, True), (2, True), (3, False)], 0)),
+)
+
+
+def check_free_queue_predictions(fn: Callable[[], dict]) -> Verdict:
+    """12.1: each scenario played on a ``BlockPool`` (:func:`free_queue_after`), against the
+    learner's prediction."""
+    return judge_predictions("12.1 free_queue_predictions", fn, SCENARIOS)
+
+
+def _queue_predictions(**changed: int) -> Callable[[], dict]:
+    """A wrong answer: the solution's predictions with ``changed`` ones."""
+    return lambda: {**solutions.free_queue_predictions(), **changed}
+
+
+_ALL_TO_THE_BACK = _queue_predictions(a=5)          # V0's habit: every freed block at the back
+_CACHED_HEAD_FIRST = _queue_predictions(b=1)        # the table freed from its first block
+_UNCACHED_HEAD_FIRST = _queue_predictions(c=0)
+_CACHED_REUSED_FIRST = _queue_predictions(d=2)      # cached blocks to the front too
+_PREFIX_IN_TABLE_ORDER = _queue_predictions(e=3)    # [3, 4, 5, 0, 1, 2]
 
 
 def radix_hit(prompt: list[int], earlier: list[list[int]], page_size: int) -> int:
@@ -187,27 +206,45 @@ def touches_then_checks(pool, req, n, hits, bs, watermark):
 
 
 EXERCISES = Exercises(
-    Exercise("12.1", "free_queue_after", check_free_queue_after, hints=(
-        "Walk the table backwards (the tail is freed first) and sort each block into one of "
-        "two lists by whether it is cached.",
-        "The uncached blocks go in front of the old queue (reused first) and the cached ones "
-        "behind it (evicted last), each list in the order it was freed: tail first.",
-        "Read BlockPool.free_blocks and FreeKVCacheBlockQueue in "
-        "course_lib/memory/v1/block_pool.py (vllm/v1/core/block_pool.py in vLLM).",
-    ), solution=solutions.free_queue_after, wrong=(
-        lambda q, t: [b for b, c in t if not c] + q + [b for b, c in t if c],   # table order
-        lambda q, t: q + [b for b, _ in t[::-1]])),                             # all to the back
+    Exercise("12.1", "predict the free queue", check_free_queue_predictions, hints=(
+        "Write the queue as a row, front on the left: new blocks are taken from the front, so "
+        "the front is reused (and evicted from the prefix cache) first.",
+        "A block that is not cached holds nothing worth keeping: it goes to the front. A "
+        "cached block may be hit again: it goes to the back, behind the blocks already free.",
+        "The table is freed from its last block to its first, so a prompt's first block, on "
+        "which every later block's hash depends, is the last to be evicted.",
+    ), solution=solutions.free_queue_predictions, rules=(
+        Rule("freed blocks that are not cached go to the front",
+             "a (queue [5, 6],", _ALL_TO_THE_BACK),
+        Rule("the table is freed tail first: its first cached block ends at the back",
+             "b (queue [5, 6],", _CACHED_HEAD_FIRST),
+        Rule("uncached blocks too are freed tail first", "c (queue [3],", _UNCACHED_HEAD_FIRST),
+        Rule("cached blocks go behind the blocks already free", "d (queue [7],",
+             _CACHED_REUSED_FIRST),
+        Rule("a prompt's first block is evicted after its later ones", "e (queue [4, 5],",
+             _PREFIX_IN_TABLE_ORDER),
+    ), trivial=(lambda *a: None, lambda *a: {}), compare_with=(
+        "BlockPool.free_blocks and FreeKVCacheBlockQueue in course_lib/memory/v1/block_pool.py "
+        "(vllm/v1/core/block_pool.py in vLLM)")),
     Exercise("12.2", "radix_hit", check_radix_hit, hints=(
         "The tree holds every earlier prompt, so the match is the longest common prefix of "
         "the prompt with any one of them (token by token, not block by block).",
         "Only whole pages are matched: round the longest common prefix down to a multiple of "
         "page_size. Unlike V1's hash chain, the whole prompt may be matched.",
-        "Read RadixCache.match_prefix in course_lib/memory/radix/radix_cache.py (SGLang's "
-        "srt/mem_cache/radix_cache.py).",
-    ), solution=solutions.radix_hit, wrong=(
-        _blocks_only,
-        lambda p, e, ps: max((sum(1 for a, b in zip(p, o, strict=False) if a == b)
-                              for o in e), default=0))),                          # not a prefix
+    ), solution=solutions.radix_hit, rules=(
+        Rule("the radix tree matches token by token, in whole pages of page_size",
+             "prompt [1, 2, 3], page_size 1, earlier [[1, ",
+             _blocks_only),
+        Rule("a prefix match: it stops at the first token that differs",
+             "prompt [1, 1, 2, 1, ",
+             lambda p, e, ps: max((sum(1 for a, b in zip(p, o, strict=False) if a == b)
+                              for o in e), default=0)),
+        Rule("whole pages only",
+             "prompt [1, 0, 1, 0],",
+             rule_wrongs.radix_token_granular),
+    ), compare_with=(
+        "RadixCache.match_prefix in course_lib/memory/radix/radix_cache.py (SGLang's "
+        "srt/mem_cache/radix_cache.py)")),                          # not a prefix
     Exercise("12.3", "allocate_slots", check_allocate_slots, hints=(
         "Count first, change nothing yet: the request needs ceil(total / block_size) blocks "
         "for total = num_computed_tokens + len(hits) * block_size + num_new_tokens; it holds "
@@ -220,13 +257,33 @@ EXERCISES = Exercises(
         "new block), req.blocks = held + hits + new, and cache the full blocks only: "
         "pool.cache_full_blocks(req.blocks, req.block_hashes, req.num_cached_block, "
         "total // block_size), then req.num_cached_block = total // block_size.",
-        "Read KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py, then "
-        "vLLM 0.33.0's allocate_slots in vllm/v1/core/kv_cache_manager.py and "
-        "get_num_blocks_to_allocate in vllm/v1/core/single_type_kv_cache_manager.py (where "
-        "the evictable hits are counted).",
-    ), solution=solutions.allocate_slots, wrong=(
-        hits_are_free, touches_then_checks, caches_partial_block, no_watermark,
-        watermark_always, all_hits_cost, touches_hits_last)),
+    ), solution=solutions.allocate_slots, rules=(
+        Rule("a hit in the free queue (ref_cnt 0) costs a free block",
+             "(5, 4, 0, ([1, 2",
+             hits_are_free),
+        Rule("no room: return None and touch nothing",
+             "(5, 4, 0, ([1, 2",
+             touches_then_checks),
+        Rule("only full blocks are cached",
+             "(4, 4, 0, ([1, 2, 3, 4, 5, 6, 7, 8, 9], ",
+             caches_partial_block),
+        Rule("admissions keep watermark_blocks free",
+             "(6, 2, 2, ([",
+             no_watermark),
+        Rule("running requests ignore the watermark",
+             "(6, 2, 2, ([",
+             watermark_always),
+        Rule("a hit held by other requests costs no free block",
+             "(4, 4, 0, ([1, 2, 3, 4, 5, 6, 7, 8, 9], ",
+             all_hits_cost),
+        Rule("the hits are touched before the new blocks are taken",
+             "(5, 4, 0, ([1, 2",
+             touches_hits_last),
+    ), compare_with=(
+        "KVCacheManager.allocate_slots in course_lib/memory/v1/kv_cache_manager.py, then vLLM "
+        "0.33.0's allocate_slots in vllm/v1/core/kv_cache_manager.py and "
+        "get_num_blocks_to_allocate in vllm/v1/core/single_type_kv_cache_manager.py (where the "
+        "evictable hits are counted)")),
 )
 
 

@@ -16,30 +16,9 @@ def split_memory(residents, holes, head_need):
     return split
 
 
-def first_fit(num_slots, events):
-    holes = [(0, num_slots)]          # (start, length), sorted by start
-    got = {}                          # event index -> start (or None)
-    for i, (kind, value) in enumerate(events):
-        if kind == "alloc":
-            got[i] = None
-            for j, (start, length) in enumerate(holes):
-                if length >= value:
-                    got[i] = start
-                    if length == value:
-                        del holes[j]
-                    else:
-                        holes[j] = (start + value, length - value)
-                    break
-        else:
-            start, size = got[value], events[value][1]
-            holes.append((start, size))
-            holes.sort()
-            merged = [holes[0]]
-            for s, n in holes[1:]:
-                last_start, last_len = merged[-1]
-                if last_start + last_len == s:
-                    merged[-1] = (last_start, last_len + n)
-                else:
-                    merged.append((s, n))
-            holes = merged
-    return [start for i, start in got.items()]
+def failing_events(num_slots):
+    # slots 0 and 1 are taken, then freed: 0 first, then 1. Freeing 1 finds no hole right
+    # after it (or merges with one), but never with the hole [0, 1) right before it, so
+    # two holes touch at slot 1. An alloc of 2 must start at slot 0; the broken allocator
+    # sees no hole of 2 there.
+    return [("alloc", 1), ("alloc", 1), ("free", 0), ("free", 1), ("alloc", 2)]

@@ -38,52 +38,21 @@ def blocks_held(num_samples, prompt_len, gen_len, block_size):
     return full + num_samples * (cdiv(prompt_len + gen_len, block_size) - full)
 
 
-class CowManager:
-    def __init__(self, num_blocks, block_size):
-        self.block_size = block_size
-        self.free_stack = list(range(num_blocks - 1, -1, -1))   # a fresh pool gives 0, 1, ...
-        self.refs = [0] * num_blocks
-        self.tables, self.lens = {}, {}
-
-    def _take(self):
-        block = self.free_stack.pop()
-        self.refs[block] = 1
-        return block
-
-    def _drop(self, block):
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            self.free_stack.append(block)
-
-    def allocate(self, seq, num_tokens):
-        self.tables[seq] = [self._take() for _ in range(cdiv(num_tokens, self.block_size))]
-        self.lens[seq] = num_tokens
-
-    def fork(self, parent, child):
-        self.tables[child] = list(self.tables[parent])
-        self.lens[child] = self.lens[parent]
-        for block in self.tables[child]:
-            self.refs[block] += 1
-
-    def append(self, seq):
-        table, n, copy = self.tables[seq], self.lens[seq], None
-        if n % self.block_size == 0:              # last block full (or none yet): a new one
-            table.append(self._take())
-        elif self.refs[table[-1]] > 1:            # partial and shared: copy, then write
-            src = table[-1]
-            table[-1] = self._take()
-            self._drop(src)
-            copy = (src, table[-1])
-        self.lens[seq] = n + 1
-        return copy
-
-    def free(self, seq):
-        for block in reversed(self.tables.pop(seq)):   # the last block first
-            self._drop(block)
-        del self.lens[seq]
-
-    def block_table(self, seq):
-        return list(self.tables[seq])
-
-    def ref_count(self, block):
-        return self.refs[block]
+def cow_predictions():
+    return {
+        # 18 tokens: 4 full blocks + 1 partial, all shared. The parent copies the partial one
+        # (5 + 1); the child is then its only owner and writes in place.
+        "a": 6,
+        # 16 tokens: 4 full blocks. A full block is never written again: each sequence opens
+        # a block of its own for its new token (4 + 2), no copy.
+        "b": 6,
+        # 6 tokens: 1 full + 1 partial block with 3 owners. The first two writers copy it;
+        # the parent is its last owner and writes in place: 2 copies.
+        "c": 2,
+        # 10 tokens: 3 blocks. Freeing the parent drops one reference each; the child still
+        # holds all 3 and, their only owner now, writes into its partial block in place.
+        "d": 3,
+        # A fresh pool gives 0, 1, 2. free pushes from the last block to the first, so 0 ends
+        # on top of the stack and is handed out next.
+        "e": 0,
+    }

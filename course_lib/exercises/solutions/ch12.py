@@ -5,13 +5,16 @@ from __future__ import annotations
 from course_lib.sizing.units import cdiv
 
 
-def free_queue_after(queue, table):
-    front, back = [], []
-    for block, cached in reversed(table):          # the tail of the table is freed first
-        (back if cached else front).append(block)
-    # the uncached ones go to the front as a group (reused first), tail first; the cached
-    # ones to the back (evicted last), tail first too
-    return front + list(queue) + back
+def free_queue_predictions():
+    # new blocks come from the front; a freed block that is not cached goes to the front, a
+    # cached one to the back; the table is freed from its last block to its first
+    return {
+        "a": 2,     # [2] + [5, 6] + [1, 0]
+        "b": 0,     # the same queue: the first block of the table is freed last, at the back
+        "c": 1,     # [1, 0] + [3]: freed tail first, the group keeps that order
+        "d": 7,     # [7] + [2, 1, 0]: cached blocks queue behind the blocks already free
+        "e": 5,     # [3] + [4, 5] + [2, 1, 0]: block 0 is the last to be evicted
+    }
 
 
 def radix_hit(prompt, earlier, page_size):
