@@ -216,7 +216,7 @@ def test_3_3_accepts_any_exception_from_an_empty_pool():
 def test_3_1_reads_only_what_its_statement_names():
     """3.1 names the methods, ``tables`` and ``num_free``: a correct manager that keeps its
     pool size under another name, and gives block ids of its own choosing, passes."""
-    from course_lib.exercises import ch03
+    from course_lib.exercises import ch03_manager
     from course_lib.exercises.solutions.ch03 import ToyManager
 
     class Renamed:
@@ -230,7 +230,7 @@ def test_3_1_reads_only_what_its_statement_names():
                 return getattr(self._inner, name)
             raise AttributeError(name)
 
-    verdict = ch03.check_manager(Renamed)
+    verdict = ch03_manager.check_manager(Renamed)
     assert verdict.ok, str(verdict)
 
 

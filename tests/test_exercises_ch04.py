@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from course_lib.device import BACKEND
-from course_lib.exercises import ch04
+from course_lib.exercises import ch04, ch04_wrong
 from course_lib.kernels import reference
 from course_lib.sizing.units import cdiv
 
@@ -83,10 +83,10 @@ def test_decode_names_a_missing_scale():
 
 @needs_triton
 def test_torch_or_the_course_kernel_is_not_an_answer():
-    in_torch = ch04._gather_in_torch
+    in_torch = ch04_wrong._gather_in_torch
     verdict = ch04.check_gather_kv(in_torch)
     assert verdict.passed == 0 and "launched no Triton kernel" in verdict.first_problem
-    course = ch04._decode_with_course_kernel
+    course = ch04_wrong._decode_with_course_kernel
     verdict = ch04.check_decode_one_head(course)
     assert verdict.passed == 0 and "only the course's kernels" in verdict.first_problem
     assert "course_lib.kernels.paged_decode" in verdict.first_problem
