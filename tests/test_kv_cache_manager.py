@@ -176,6 +176,33 @@ def test_allocate_slots_answers_none_when_short_and_changes_nothing():
     m.check_invariants()
 
 
+def test_a_decode_step_extends_the_sequences_lists_and_hashes_only_the_block_it_filled():
+    """vLLM extends a request's blocks and block hashes in place
+    (``single_type_kv_cache_manager.py``, ``Request.block_hashes``): a decode step's cost does
+    not grow with the sequence. The ids handed out are the sequence's own list, growing."""
+    calls = []
+
+    def counting_sha256(value):
+        calls.append(value)
+        return sha256(value)
+
+    m = KVCacheManager(BS, 64)
+    m.hash_fn = counting_sha256
+    tokens = toks(9)
+    ids = m.allocate_slots(0, tokens, 0, 9)
+    assert ids == [0, 1, 2] and len(calls) == 2            # two full blocks hashed
+    hashes = m.req_to_block_hashes[0]
+    for n in range(9, 30):
+        tokens.append(n + 1)
+        out = m.allocate_slots(0, tokens, n, 1)
+        assert out is ids                                   # no copy, no rebuild
+        assert m.req_to_block_hashes[0] is hashes
+        assert len(calls) == (n + 1) // BS                  # each full block hashed once
+        m.check_invariants()
+    assert ids == m.get_block_table(0) and ids is not m.get_block_table(0)
+    assert [b.block_id for b in m.req_to_blocks[0]] == ids
+
+
 def test_a_salt_changes_the_first_hash_only_and_separates_namespaces():
     m = KVCacheManager(BS, 16)
     admit(m, 0, toks(9), salt="alice")

@@ -325,3 +325,63 @@ class RadixManagerMachine(KVCacheManagerMachine):
 
 TestRadixManagerStateful = RadixManagerMachine.TestCase
 TestRadixManagerStateful.settings = settings(max_examples=80, stateful_step_count=40)
+
+
+class _WalkingManager(RadixKVCacheManager):
+    """The reference: every ``cache_computed`` walks from the root (insert, split at the
+    prompt, match, move the lock), the decode steps included."""
+
+    def _cache_decoded(self, seq_id, token_ids, node, done, num_full, prompt_blocks):
+        self._cache_walked(seq_id, token_ids, done, num_full, prompt_blocks)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_decoded_block_is_attached_below_the_lock_as_the_walk_from_the_root_would(seed):
+    """``cache_computed`` of a decoding sequence attaches its new blocks below its locked node
+    without walking the path; what it leaves (nodes, splits, locks, access times, the clock,
+    the tables, the free list, hence every later eviction) is what the walk leaves."""
+    import random
+
+    from memory_helpers import canonical_state
+
+    rng = random.Random(seed)
+    fast, ref = RadixKVCacheManager(BS, 40), _WalkingManager(BS, 40)
+    prompts = [toks(rng.randint(2, 14), 100 * rng.randint(0, 2)) for _ in range(6)]
+    tokens: dict[int, list[int]] = {}
+    computed: dict[int, int] = {}
+    for _ in range(400):
+        seq = rng.randrange(6)
+        if seq not in tokens:                             # admit (a prompt, or back after a
+            tokens[seq] = tokens.get(-seq - 1) or list(prompts[seq])      # preemption)
+            tokens.pop(-seq - 1, None)
+            answers = []
+            for m in (fast, ref):
+                hits, num_hit = m.get_computed_blocks(seq, tokens[seq])
+                answers.append(m.allocate_slots(seq, tokens[seq], 0, len(tokens[seq]) - num_hit,
+                                                hits, admission=True))
+            assert answers[0] == answers[1]
+            if answers[0] is None:
+                del tokens[seq]
+                continue
+            computed[seq] = len(tokens[seq])
+        elif rng.random() < 0.1:                          # preempt or finish
+            for m in (fast, ref):
+                m.free(seq)
+            if rng.random() < 0.5:
+                tokens[-seq - 1] = tokens[seq]            # comes back with what it computed
+            del tokens[seq]
+            continue
+        else:                                             # one decode step
+            tokens[seq].append(rng.randrange(3))          # few values: duplicates happen
+            answers = [m.allocate_slots(seq, tokens[seq], computed[seq], 1) for m in (fast, ref)]
+            assert answers[0] == answers[1]
+            if answers[0] is None:
+                continue
+            computed[seq] += 1
+        for m in (fast, ref):
+            m.cache_computed(seq, tokens[seq], computed[seq], len(prompts[seq]))
+            m.check_invariants()
+        assert canonical_state(fast.tree) == canonical_state(ref.tree)
+        assert fast.tree._clock == ref.tree._clock
+        assert fast.req_to_blocks == ref.req_to_blocks
+        assert fast.num_cached_block == ref.num_cached_block

@@ -37,11 +37,11 @@ class SaltAsTheOnlyKeyManager(KVCacheManager):
     """The course's salt before it followed vLLM: the bare salt as the first block's extra
     key, not ``(("cache_salt", salt),)``."""
 
-    def _hashes(self, seq_id, token_ids):
+    def _hashes(self, seq_id, token_ids, num_blocks):
         hashes = self.req_to_block_hashes.setdefault(seq_id, [])
         bs, salt = self.block_size, self.salts.get(seq_id)
         parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), len(token_ids) // bs):
+        for i in range(len(hashes), num_blocks):
             parent = course_pool.hash_block_tokens(
                 parent, token_ids[i * bs:(i + 1) * bs], salt if i == 0 else None)
             hashes.append(parent)

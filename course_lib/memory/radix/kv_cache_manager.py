@@ -34,6 +34,11 @@ cache's blocks (``page_size = block_size``, slots from a
   of its cached prefix (``inc_lock_ref``), so nothing it reads is evicted; :meth:`free`
   unlocks it (the path stays cached, evictable) and gives the private tail back.
 
+* **A decode step does not walk the tree**: a block a decoding sequence fills is attached below
+  its locked node (``RadixCache.insert_below``), leaving what the walk from the root would
+  (the same nodes, locks, access times and clock: ``tests/test_radix_kv_cache_manager.py``
+  checks it against the walk); its table is extended in place and handed out without a copy.
+
 A block is in exactly one place: the free list, the tree (evictable when unlocked), or one
 sequence's private tail (the blocks past its cached prefix: a partial last block, blocks this
 step is computing, or, with caching off, all of them).
@@ -114,29 +119,35 @@ class RadixKVCacheManager(V1ManagerBase):
                        num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
                        admission: bool = False) -> list[int] | None:
         """Room for ``num_new_tokens`` more tokens (and the hit ``new_computed_blocks`` of a
-        sequence being admitted); the sequence's block ids, or None (nothing changes)."""
-        bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
-        blocks = self.req_to_blocks.get(seq_id, [])
+        sequence being admitted); the sequence's block ids, or None (nothing changes). The
+        list returned is the sequence's own, extended in place (no copy per step: read it
+        before the next call for this sequence, or copy it)."""
+        bs, tree = self.block_size, self.tree
+        blocks = self.req_to_blocks.get(seq_id)
         hits = list(new_computed_blocks)
         total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens, len(hits) * bs,
                                      num_new_tokens)
-        num_new = max(cdiv(total, bs) - len(blocks) - len(hits), 0)
+        num_new = cdiv(total, bs) - len(hits) - (len(blocks) if blocks is not None else 0)
         unlocked = 0
         if hits:
-            found, unlocked = self._peek(token_ids[:len(hits) * bs], ns)
+            found, unlocked = self._peek(token_ids[:len(hits) * bs], self._namespace(seq_id))
             if found != hits:
                 raise ValueError(f"seq {seq_id}: {hits} are not the cached prefix {found}")
         reserve = self.watermark_blocks if admission else 0
         if num_new + unlocked > self.num_free_gpu_blocks - reserve:
             return None
+        if blocks is None:
+            blocks = self.req_to_blocks[seq_id] = []
         if hits:                                     # lock the hit path before evicting
-            _, node = tree.match_prefix(token_ids[:len(hits) * bs], ns)
+            _, node = tree.match_prefix(token_ids[:len(hits) * bs], self._namespace(seq_id))
             tree.inc_lock_ref(node)
             self.last_node[seq_id], self.num_cached_block[seq_id] = node, len(hits)
-        slots = tree.alloc(num_new * bs) if num_new else []
-        blocks = blocks + hits + [slots[i] // bs for i in range(0, len(slots), bs)]
-        self.req_to_blocks[seq_id], self.num_slots[seq_id] = blocks, total
-        return list(blocks)
+            blocks += hits
+        if num_new > 0:                              # extended in place, never rebuilt
+            slots = tree.alloc(num_new * bs)
+            blocks += [s // bs for s in slots[::bs]]
+        self.num_slots[seq_id] = total
+        return blocks
 
     # ------------------------------------------------------------ after the step ran
     def cache_computed(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
@@ -155,16 +166,29 @@ class RadixKVCacheManager(V1ManagerBase):
         if not 0 <= num_computed_tokens <= min(self.num_slots[seq_id], len(token_ids)):
             raise ValueError(f"seq {seq_id}: {num_computed_tokens} computed tokens, it holds "
                              f"{self.num_slots[seq_id]} slots and has {len(token_ids)} tokens")
-        bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
-        blocks, done = self.req_to_blocks[seq_id], self.num_cached_block.get(seq_id, 0)
+        bs = self.block_size
+        done = self.num_cached_block.get(seq_id, 0)
         num_full = num_computed_tokens // bs
         if num_full <= done:
             return
+        node = self.last_node.get(seq_id)
+        prompt_blocks = num_prompt_tokens // bs if num_prompt_tokens is not None else 0
+        if node is not None and done >= prompt_blocks:
+            self._cache_decoded(seq_id, token_ids, node, done, num_full, prompt_blocks)
+        else:
+            self._cache_walked(seq_id, token_ids, done, num_full, prompt_blocks)
+
+    def _cache_walked(self, seq_id: int, token_ids: list[int], done: int, num_full: int,
+                      prompt_blocks: int) -> None:
+        """:meth:`cache_computed` from the root (a prompt, or a chunk of it): insert the
+        computed full blocks (and split at the prompt's last whole block), free the
+        duplicates, match the path, move the lock, rewrite the table onto the tree's blocks."""
+        bs, tree, ns = self.block_size, self.tree, self._namespace(seq_id)
+        blocks = self.req_to_blocks[seq_id]
         tokens = token_ids[:num_full * bs]
         num_dup = tree.insert(tokens, self._slots(blocks[:num_full]), ns) // bs
-        if num_prompt_tokens is not None and 0 < num_prompt_tokens // bs < num_full:
-            tree.insert(tokens[:num_prompt_tokens // bs * bs],
-                        self._slots(blocks[:num_prompt_tokens // bs]), ns)
+        if 0 < prompt_blocks < num_full:
+            tree.insert(tokens[:prompt_blocks * bs], self._slots(blocks[:prompt_blocks]), ns)
         self.pool.free(self._slots(blocks[done:num_dup]))      # the tree had these already
         path, node = tree.match_prefix(tokens, ns)
         if seq_id in self.last_node:
@@ -172,6 +196,44 @@ class RadixKVCacheManager(V1ManagerBase):
         tree.inc_lock_ref(node)
         self.req_to_blocks[seq_id] = [s // bs for s in path[::bs]] + blocks[num_full:]
         self.last_node[seq_id], self.num_cached_block[seq_id] = node, num_full
+
+    def _cache_decoded(self, seq_id: int, token_ids: list[int], node: TreeNode, done: int,
+                       num_full: int, prompt_blocks: int) -> None:
+        """:meth:`cache_computed` for a sequence whose cached prefix (the path to its locked
+        ``node``, ``done`` blocks) covers its prompt: the blocks it filled since are attached
+        below ``node`` (``RadixCache.insert_below``), without walking, re-inserting or
+        re-matching the path above, and the lock moves down by the new nodes only. What it
+        leaves is what the walk from the root leaves (the same nodes, splits, locks, clock and
+        access times: the path is stamped as ``match_prefix`` would), in time that grows with
+        the blocks added, and with the number of nodes on the path for the time stamps, not
+        with the tokens. SGLang's decode does not touch the tree at all (it inserts once the
+        request finishes): see the module docstring."""
+        bs, tree = self.block_size, self.tree
+        blocks = self.req_to_blocks[seq_id]
+        tokens = tuple(token_ids[done * bs:num_full * bs])
+        num_dup, cached, end = tree.insert_below(node, tokens, self._slots(blocks[done:num_full]),
+                                                 self._namespace(seq_id))
+        num_dup //= bs
+        if 0 < prompt_blocks < num_full:             # the prompt's boundary (split_prompt)
+            tree._tick()                              # the tick of that insert
+            self._split_at(node, done, prompt_blocks)
+        self.pool.free(self._slots(blocks[done:done + num_dup]))   # the tree had these already
+        blocks[done:done + num_dup] = [s // bs for s in cached[::bs]]     # the tree's blocks
+        tree.stamp_path(end, tree._tick())            # the tick of match_prefix
+        tree.inc_lock_ref(end, above=node)            # the lock moves from node down to end
+        self.last_node[seq_id], self.num_cached_block[seq_id] = end, num_full
+
+    def _split_at(self, node: TreeNode, done: int, prompt_blocks: int) -> None:
+        """Make the end of the prompt's last whole block a node boundary, if it falls inside
+        an edge of the path root..``node`` (which ends after ``done`` blocks)."""
+        bs, end = self.block_size, done * self.block_size
+        target = prompt_blocks * bs
+        while node is not self.tree.root and end > target:
+            start = end - len(node.key)
+            if start < target:
+                self.tree._split_node(node, target - start, node.extra_key)
+                return
+            node, end = node.parent, start
 
     # ------------------------------------------------------------------ give back
     def free(self, seq_id: int) -> None:

@@ -43,6 +43,7 @@ least recently used one is SGLang's.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Sequence
 
 from .allocator import SlotPool
@@ -89,11 +90,21 @@ class RadixCache:
         return first if extra_key is None else (extra_key, first)
 
     def _match_len(self, key: Sequence[int], tokens: Sequence[int]) -> int:
-        """Common prefix length of two token runs, in whole pages."""
-        n, limit = 0, min(len(key), len(tokens))
-        while n < limit and key[n] == tokens[n]:
-            n += 1
-        return n - n % self.page_size
+        """Common prefix length of two token runs, in whole pages. Compared by slices, page by
+        page (SGLang's ``_key_match_paged``), after one comparison of the whole overlap, which
+        is how most lookups end: a run that is all there."""
+        limit = min(len(key), len(tokens))
+        limit -= limit % self.page_size
+        if key[:limit] == tokens[:limit]:
+            return limit
+        n, ps = 0, self.page_size
+        if ps == 1:
+            while key[n] == tokens[n]:                 # stops before limit: they differ there
+                n += 1
+            return n
+        while key[n:n + ps] == tokens[n:n + ps]:
+            n += ps
+        return n
 
     def _tick(self) -> int:
         self._clock += 1
@@ -158,8 +169,19 @@ class RadixCache:
         if len(value) != len(token_ids):
             raise ValueError(f"one slot per token: {len(token_ids)} tokens, {len(value)} slots")
         n_pages = len(token_ids) - len(token_ids) % self.page_size
-        tokens, value = tuple(token_ids[:n_pages]), list(value[:n_pages])
-        node, done, now = self.root, 0, self._tick()
+        done, _, _ = self.insert_below(self.root, tuple(token_ids[:n_pages]),
+                                       list(value[:n_pages]), extra_key)
+        return done
+
+    def insert_below(self, node: TreeNode, tokens: tuple, value: list[int],
+                     extra_key: Hashable = None) -> tuple[int, list[int], TreeNode]:
+        """:meth:`insert`'s walk from ``node`` instead of the root, for tokens (whole pages)
+        that continue the path root..node: how many leading tokens were cached already, the
+        tree's slots for them, and the node where the tokens end. Only the nodes below
+        ``node`` get this access's time; the caller stamps the path above
+        (:meth:`stamp_path`). A sequence that filled one more block while decoding attaches it
+        under its locked node this way, in time that does not grow with the sequence."""
+        done, cached, now = 0, [], self._tick()
         while tokens:
             child = node.children.get(self._child_key(tokens, extra_key))
             if child is None:
@@ -169,19 +191,30 @@ class RadixCache:
                 self.evictable_size_ += len(tokens)
                 self._update_leaf_status(node)
                 self._update_leaf_status(new)
-                break
+                return done, cached, new
             child.last_access_time = now
             n = self._match_len(child.key, tokens)
             if n < len(child.key):
                 child = self._split_node(child, n, extra_key)
             done += n
+            cached += child.value
             node, tokens, value = child, tokens[n:], value[n:]
-        return done
+        return done, cached, node
+
+    def stamp_path(self, node: TreeNode, now: int) -> None:
+        """Give ``node`` and every node above it, the root included, the access time ``now``
+        (what :meth:`match_prefix` of the path's tokens leaves)."""
+        while node is not None:
+            node.last_access_time = now
+            node = node.parent
 
     # ------------------------------------------------------------- locks, eviction
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """A request now reads the path root..node: none of it may be evicted."""
-        while node is not self.root:
+    def inc_lock_ref(self, node: TreeNode, above: TreeNode | None = None) -> None:
+        """A request now reads the path root..node: none of it may be evicted. ``above``: a
+        node on that path the request has locked already (its lock moves down to ``node``):
+        only the nodes below it are counted, as ``dec_lock_ref(above)`` then
+        ``inc_lock_ref(node)`` would leave them."""
+        while node is not self.root and node is not above:
             if node.lock_ref == 0:
                 self.evictable_size_ -= len(node.key)
                 self.protected_size_ += len(node.key)
@@ -208,17 +241,25 @@ class RadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots (if possible) by removing unlocked leaves, least
-        recently used first; returns the tokens freed."""
+        recently used first; returns the tokens freed. As SGLang's ``evict``, the leaves are
+        put in a heap once per call (by access time: no two share one), and a parent left an
+        unlocked leaf joins it."""
+        if num_tokens <= 0 or not self.evictable_leaves:
+            return 0
+        heap = [(n.last_access_time, id(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and self.evictable_leaves:
-            leaf = min(self.evictable_leaves, key=lambda n: n.last_access_time)
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
             self.pool.free(leaf.value)
             freed += len(leaf.value)
             parent = leaf.parent
-            del parent.children[next(k for k, c in parent.children.items() if c is leaf)]
+            del parent.children[self._child_key(leaf.key, leaf.extra_key)]
             self.evictable_leaves.discard(leaf)
             self.evictable_size_ -= len(leaf.key)
             self._update_leaf_status(parent)
+            if parent in self.evictable_leaves:
+                heapq.heappush(heap, (parent.last_access_time, id(parent), parent))
         return freed
 
     def alloc(self, n: int) -> list[int] | None:

@@ -12,8 +12,9 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.v0.manager
   Blocks are allocated per step for the tokens scheduled (a chunk, or one decode token), not for
   the whole prompt up front.
 * **Hashes are computed once per request** as its blocks fill, and kept with it (vLLM 0.33 keeps
-  them on the ``Request``; the course keeps them here, per sequence). The cache salt enters the
-  first block's hash only: the chain carries it to the rest (``generate_block_hash_extra_keys``).
+  them on the ``Request``, extended by its block hasher as tokens arrive; the course keeps them
+  here, per sequence). The cache salt enters the first block's hash only: the chain carries it
+  to the rest (``generate_block_hash_extra_keys``).
 * **Blocks are cached when they are allocated** for tokens this step computes, as vLLM does: a
   request admitted later in the same step may hit them, because in one forward pass each layer
   writes every new token's K/V before any token attends. (The V0 pair caches blocks only after
@@ -26,6 +27,13 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.v0.manager
   is in ``allocate_slots``): into an empty engine vLLM admits a request without it. So does the
   course: ``SchedulerV1`` passes ``admission=bool(self.running)``, and finishes as ignored only
   a request that needs more blocks than the whole pool.
+* **A decode step costs the same at any length**: the sequence's blocks, their ids and its
+  hashes are lists extended in place (``single_type_kv_cache_manager.py``'s
+  ``allocate_new_blocks`` does ``req_blocks.extend(new_blocks)``; ``cache_blocks`` hashes and
+  caches only the blocks that became full, from ``num_cached_block`` on). Nothing that grows
+  with the sequence is sliced, rebuilt or copied per token, and the block-id list
+  :meth:`allocate_slots` returns is the one it keeps: it grows in place, as the block table
+  vLLM's model runner keeps for a request does (the scheduler reads it for one step).
 """
 
 from __future__ import annotations
@@ -64,6 +72,7 @@ class KVCacheManager(V1ManagerBase):
         self.none_hash = none_hash_for(self.hash_fn)
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         self.req_to_block_hashes: dict[int, list] = {}
+        self.req_to_block_ids: dict[int, list[int]] = {}   # req_to_blocks' ids, kept alongside
 
     # ------------------------------------------------------------------------ queries
     @property
@@ -72,15 +81,21 @@ class KVCacheManager(V1ManagerBase):
 
     def get_block_table(self, seq_id: int) -> list[int]:
         """Block ids of the sequence, in order (a copy)."""
-        return [b.block_id for b in self._blocks_of(seq_id)]
+        self._blocks_of(seq_id)                      # raises if it holds none
+        return list(self.req_to_block_ids[seq_id])
 
     # ------------------------------------------------------------------- the hashes
-    def _hashes(self, seq_id: int, token_ids: list[int]) -> list:
-        """The sequence's block hashes, extended to every full block of ``token_ids``."""
+    def _hashes(self, seq_id: int, token_ids: list[int], num_blocks: int) -> list:
+        """The sequence's block hashes, extended (in place) to its first ``num_blocks`` full
+        blocks of ``token_ids``: only the blocks not hashed yet are read, so a decode step
+        hashes at most the one block it filled (vLLM's ``Request.block_hashes``, which its
+        block hasher extends as tokens arrive)."""
         hashes = self.req_to_block_hashes.setdefault(seq_id, [])
+        if len(hashes) >= num_blocks:
+            return hashes
         bs, salt = self.block_size, self.salts.get(seq_id)
         parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), len(token_ids) // bs):
+        for i in range(len(hashes), num_blocks):
             extra = block_hash_extra_keys(i * bs, salt)   # the salt: first block only
             parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], extra,
                                        self.hash_fn, self.none_hash)
@@ -95,10 +110,10 @@ class KVCacheManager(V1ManagerBase):
         self.salts[seq_id] = cache_salt
         if not self.enable_caching:
             return [], 0
-        hits = []
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        for block_hash in self._hashes(seq_id, token_ids)[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
+        hits, get_cached_block = [], self.block_pool.get_cached_block
+        hashes = self._hashes(seq_id, token_ids, len(token_ids) // self.block_size)
+        for i in range((len(token_ids) - 1) // self.block_size):
+            block = get_cached_block(hashes[i])
             if block is None:
                 break
             hits.append(block)
@@ -113,28 +128,44 @@ class KVCacheManager(V1ManagerBase):
         sequence's block ids, or None if the pool is short (nothing changes). Full blocks of
         the tokens this step computes enter the prefix cache now (see the module docstring).
         ``admission``: a waiting or preempted sequence while some request is running, held to
-        the watermark (vLLM's ``has_scheduled_reqs`` and status test: module docstring)."""
+        the watermark (vLLM's ``has_scheduled_reqs`` and status test: module docstring).
+
+        The list returned is the sequence's own, not a copy: it grows in place as blocks are
+        added (read it before the next call for this sequence, or copy it). Its cost does not
+        grow with the sequence: blocks, ids and hashes are extended by what this step adds."""
+        bs = self.block_size
         total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens,
-                                     len(new_computed_blocks) * self.block_size, num_new_tokens)
-        blocks = self.req_to_blocks.get(seq_id, [])
-        num_required = cdiv(total, self.block_size)
-        num_new = num_required - len(blocks) - len(new_computed_blocks)
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        reserve = self.watermark_blocks if admission else 0
-        if num_new + evictable_hits > self.num_free_gpu_blocks - reserve:
-            return None
+                                     len(new_computed_blocks) * bs, num_new_tokens)
+        req_blocks = self.req_to_blocks.get(seq_id)
+        num_new = cdiv(total, bs) - len(new_computed_blocks) - \
+            (len(req_blocks) if req_blocks is not None else 0)
         pool = self.block_pool
-        pool.touch(new_computed_blocks)
-        blocks = blocks + list(new_computed_blocks) + pool.get_new_blocks(max(num_new, 0))
-        self.req_to_blocks[seq_id] = blocks
+        num_free = pool.free_block_queue.num_free_blocks
+        if new_computed_blocks:                  # a hit on a free block takes it out of the queue
+            num_free -= sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new > num_free - (self.watermark_blocks if admission else 0):
+            return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[seq_id] = []
+            self.req_to_block_ids[seq_id] = []
+        block_ids = self.req_to_block_ids[seq_id]
+        if new_computed_blocks:                  # a hit: touched before anything is evicted
+            pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            block_ids.extend(b.block_id for b in new_computed_blocks)
+        if num_new > 0:                          # allocate_new_blocks: extend, never rebuild
+            new_blocks = pool.get_new_blocks(num_new)
+            req_blocks.extend(new_blocks)
+            block_ids.extend(b.block_id for b in new_blocks)
         self.num_slots[seq_id] = total
-        if self.enable_caching:
-            num_full = total // self.block_size
-            hashes = self._hashes(seq_id, token_ids[:num_full * self.block_size])
-            pool.cache_full_blocks(blocks, hashes, self.num_cached_block.get(seq_id, 0),
-                                   num_full)
+        if self.enable_caching:                  # cache_blocks: only the blocks now full
+            num_full = total // bs
+            num_cached = self.num_cached_block.get(seq_id, 0)
+            if num_full > num_cached:
+                pool.cache_full_blocks(req_blocks, self._hashes(seq_id, token_ids, num_full),
+                                       num_cached, num_full)
             self.num_cached_block[seq_id] = num_full
-        return [b.block_id for b in blocks]
+        return block_ids
 
     def free(self, seq_id: int) -> None:
         """Give the sequence's blocks back, tail first: the end of a chain is evicted before
@@ -142,6 +173,7 @@ class KVCacheManager(V1ManagerBase):
         sequence comes back with them) until :meth:`forget`."""
         self._blocks_of(seq_id)                      # raises if it holds none
         self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(seq_id)))
+        self.req_to_block_ids.pop(seq_id, None)
         self.num_cached_block.pop(seq_id, None)
         self.num_slots.pop(seq_id, None)
 
@@ -168,8 +200,10 @@ class KVCacheManager(V1ManagerBase):
                 refs[block.block_id] += 1
             assert len(blocks) == cdiv(self.num_slots[seq_id], self.block_size), \
                 f"seq {seq_id}: {len(blocks)} blocks for {self.num_slots[seq_id]} slots"
+            assert self.req_to_block_ids[seq_id] == [b.block_id for b in blocks], \
+                f"seq {seq_id}: block ids != blocks"
             hashes = self.req_to_block_hashes.get(seq_id, [])
             for i in range(self.num_cached_block.get(seq_id, 0)):
                 assert blocks[i].block_hash == hashes[i], f"seq {seq_id} block {i}: hash"
         assert refs == [b.ref_cnt for b in self.block_pool.blocks], "ref counts != tables"
-
+        assert self.req_to_block_ids.keys() == self.req_to_blocks.keys(), "ids != tables"
