@@ -332,6 +332,8 @@ def play(m, ops, live: dict) -> None:
                 m.forget(seq_id)
                 continue
             live[seq_id] = tokens
+            if hasattr(m, "cache_computed"):             # the radix tree: after the step
+                m.cache_computed(seq_id, tokens, len(tokens))
         elif op == "free" and live:
             victim = sorted(live)[seq % len(live)]
             m.free(victim)
@@ -341,46 +343,53 @@ def play(m, ops, live: dict) -> None:
             tokens = live[seq_id] + [seq + k]
             if m.allocate_slots(seq_id, tokens, len(tokens) - 1, 1) is not None:
                 live[seq_id] = tokens
+                if hasattr(m, "cache_computed"):
+                    m.cache_computed(seq_id, tokens, len(tokens))
 
 
-def manager_rolls_back(first, second, *, attach=True) -> bool:
+def manager_rolls_back(design, first, second, *, attach=True) -> bool:
     from memory_helpers import v1_state
 
     from course_lib.checkpoint import Checkpoint as Ckpt
-    from course_lib.engine.rollback import manager_parts
+    from course_lib.engine.rollback import begin_manager, manager_parts
+    from course_lib.memory.radix.kv_cache_manager import RadixKVCacheManager
     from course_lib.memory.v1.kv_cache_manager import KVCacheManager
 
-    m, live = KVCacheManager(2, 8), {}
+    m, live = (KVCacheManager if design == "v1" else RadixKVCacheManager)(2, 8), {}
     play(m, first, live)
     before = v1_state(m)
     c = Ckpt()
-    objects, alike, _ = manager_parts(m)
-    c.touch(*objects)
-    c.touch_many(alike)
     if attach:
-        m.block_pool.attach(c)
+        begin_manager(c, m)
+    else:                                     # the parts, without their own saving
+        objects, alike, _ = manager_parts(m)
+        c.touch(*objects)
+        c.touch_many(alike)
     play(m, second, dict(live))
     c.rollback()
     m.check_invariants()
     return v1_state(m) == before
 
 
-@settings(max_examples=150, deadline=None)
-@given(MANAGER_OPS, MANAGER_OPS)
-def test_v1_blocks_saved_when_changed_roll_back_exactly(first, second):
-    """V1's pool saves each block (and logs each hash-map entry) just before it first changes
-    it in a step: after any calls, a rollback gives the manager back exactly."""
-    assert manager_rolls_back(first, second)
+@pytest.mark.parametrize("design", ["v1", "radix"])
+@settings(max_examples=100, deadline=None)
+@given(first=MANAGER_OPS, second=MANAGER_OPS)
+def test_what_the_managers_save_when_changed_rolls_back_exactly(design, first, second):
+    """V1's pool saves each block (and logs each hash-map entry), the radix tree each node
+    (and logs each change of its evictable leaves), just before a step first changes it:
+    after any calls, a rollback gives the manager back exactly."""
+    assert manager_rolls_back(design, first, second)
 
 
-def test_without_the_pools_own_saving_a_rollback_is_wrong():
-    """The detector: the same calls with the pool not attached (nothing saves the blocks)
+@pytest.mark.parametrize("design", ["v1", "radix"])
+def test_without_their_own_saving_a_rollback_is_wrong(design):
+    """The detector: the same calls with nothing attached (the blocks or nodes unsaved)
     leave the manager changed after the rollback."""
     first = [("admit", 0, 3), ("admit", 1, 3), ("free", 0, 1)]
     second = [("admit", 2, 3), ("free", 0, 1), ("grow", 0, 1)]
-    assert manager_rolls_back(first, second)
+    assert manager_rolls_back(design, first, second)
     try:
-        restored = manager_rolls_back(first, second, attach=False)
+        restored = manager_rolls_back(design, first, second, attach=False)
     except AssertionError:                    # the manager's own invariants trip
         restored = False
     assert not restored

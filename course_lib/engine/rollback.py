@@ -9,8 +9,8 @@ top of ``LLMEngine.step`` and committed at its end or rolled back, owns all of i
   every object the step may change, saved when it first touches them and put back on failure,
   whatever fields the classes have (no ``snapshot()`` / ``restore()`` pair per class). What
   a step may change is listed here, once per design (:func:`manager_parts`; V1's block pool
-  saves each block itself just before it first changes it, so a step pays for the blocks it
-  touches, not for the pool); the scheduler
+  and the radix tree save each block or node themselves just before they first change it, so
+  a step pays for what it touches, not for the pool or the tree); the scheduler
   adds the requests it touches (``Scheduler.begin``), and the waiting queue logs its moves
   instead of being copied. The cost: the running requests and the manager's own state, never
   the waiting queue.
@@ -40,6 +40,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..memory.common import FREE
 from ..memory.radix.kv_cache_manager import RadixKVCacheManager
+from ..memory.radix.radix_cache import TreeNode
 from ..memory.v0.manager import BlockManager
 from ..memory.v1.block_pool import KVCacheBlock
 from ..memory.v1.kv_cache_manager import KVCacheManager
@@ -79,9 +80,8 @@ def manager_parts(manager: object) -> tuple[list[object], list[object], tuple[ty
     if isinstance(manager, KVCacheManager):      # vLLM V1: the pool saves the blocks it changes
         pool = manager.block_pool
         return [manager, pool, pool.free_block_queue], [], (KVCacheBlock,)
-    if isinstance(manager, RadixKVCacheManager):  # SGLang: the tree's nodes
-        tree = manager.tree
-        return [manager, manager.pool, tree, tree.root, *tree.nodes()], [], ()
+    if isinstance(manager, RadixKVCacheManager):  # SGLang: the tree saves the nodes it changes
+        return [manager, manager.pool, manager.tree], [], (TreeNode,)
     raise TypeError(f"no rollback parts known for a {type(manager).__name__}")
 
 
@@ -93,6 +93,8 @@ def begin_manager(checkpoint: Checkpoint, manager: object) -> None:
     checkpoint.touch_many(alike)
     if isinstance(manager, KVCacheManager):
         manager.block_pool.attach(checkpoint)
+    elif isinstance(manager, RadixKVCacheManager):
+        manager.tree.checkpoint = checkpoint
 
 
 class BlocksBefore(NamedTuple):
