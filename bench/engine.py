@@ -128,6 +128,25 @@ def table_waiting_queue(model, sizes: list[int], steps: int) -> None:
             print(f"{label:>10} {waiting:>8,} {ms:>8.2f} {ms / base:>5.2f}x "
                   f"{100 * begin / ms:>10.1f} %")
     print("   target: within 1.2x of the step with nothing waiting")
+    print(f"\n   the transaction by pool size (begin + commit, median of {steps}; V1's pool and "
+          "the radix tree save only the blocks and nodes a step changes, V0 copies its pools' "
+          "lists)")
+    print(f"{'design':>10} {'blocks':>8} {'ms':>8}")
+    for design, prefix_cache in (("v0", "hash"), ("v1", "hash"), ("v1", "radix")):
+        label = design if prefix_cache == "hash" else "v1 radix"
+        for blocks in (512, 16384):
+            sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256)
+            cc = CacheConfig(16, blocks, enable_prefix_caching=True, prefix_cache=prefix_cache)
+            eng = LLMEngine(model, sc, cc, stop_token_ids=(), design=design)
+            for i in range(8):
+                eng.add_request([65 + i, 66, 67], SamplingParams(max_tokens=200, temperature=0.0))
+            eng.step()
+            costs = []
+            for _ in range(steps):
+                t0 = time.process_time()
+                eng._begin().commit()
+                costs.append(time.process_time() - t0)
+            print(f"{label:>10} {blocks:>8,} {1e3 * statistics.median(costs):>8.3f}")
 
 
 def main() -> None:
