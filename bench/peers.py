@@ -31,6 +31,7 @@ import sys
 import types
 from array import array
 from pathlib import Path
+from typing import Any
 
 from course_lib.memory.radix.allocator import BlockSlotPool
 
@@ -171,35 +172,10 @@ def _fidelity(name: str):
     return upstream, root
 
 
-class _VllmRequest:
-    """The fields of ``vllm.v1.request.Request`` the KV-cache manager reads; ``block_hashes``
-    grows through vLLM's own block hasher as tokens arrive, as a ``Request``'s does."""
-
-    def __init__(self, request_id: str, tokens: list[int], hasher, status) -> None:
-        self.request_id = request_id
-        self.all_token_ids = list(tokens)
-        self.num_prompt_tokens = len(tokens)
-        self.cache_salt = None
-        self.mm_features = []
-        self.lora_request = None
-        self.prompt_embeds = None
-        self.num_computed_tokens = 0
-        self.num_in_flight_tokens = 0
-        self.shared_prefix_boundary = 0
-        self.skip_reading_prefix_cache = False
-        self.num_preemptions = 0
-        self.status = status
-        self.block_hashes: list = []
-        self._hasher = hasher
-        self.block_hashes.extend(hasher(self))
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    def append_output_token_ids(self, token: int) -> None:
-        self.all_token_ids.append(token)
-        self.block_hashes.extend(self._hasher(self))
+def _vllm_request(request_id: str, tokens: list[int], hasher, status):
+    """vLLM's ``Request`` as its KV-cache manager reads it (the fidelity tests' stand-in)."""
+    from vllm_twins import VllmRequest
+    return VllmRequest(request_id, tokens, None, hasher, status)
 
 
 def vllm_ops(rec: dict, course_manager) -> tuple[list[tuple], str | None]:
@@ -223,7 +199,7 @@ def vllm_ops(rec: dict, course_manager) -> tuple[list[tuple], str | None]:
         config, max_model_len=1 << 20, scheduler_block_size=bs, hash_block_size=bs,
         enable_caching=caching, log_stats=True)
     status = vllm.kv_cache_manager.RequestStatus
-    reqs: dict[int, _VllmRequest] = {}
+    reqs: dict[int, Any] = {}
     hits: dict[int, tuple] = {}
     ops: list[tuple] = []
     course = course_manager
@@ -235,14 +211,14 @@ def vllm_ops(rec: dict, course_manager) -> tuple[list[tuple], str | None]:
             ops.append((req.append_output_token_ids, (tok,), False))
         req.all_token_ids.extend(new)     # (the translation's view; the ops start afresh)
 
-    made: list[_VllmRequest] = []
+    made: list[Any] = []
     admitted = None
     for name, args, kwargs in course_log_calls(rec):
         seq_id = args[0] if args else None
         if name == "get_computed_blocks":
             tokens = args[1]
             if seq_id not in reqs:
-                req = _VllmRequest(str(seq_id), tokens, hasher, status.WAITING)
+                req = _vllm_request(str(seq_id), tokens, hasher, status.WAITING)
                 reqs[seq_id] = req
                 made.append(req)
                 ops.append((_reset_request, (req, tokens), False))    # its prompt hashed
@@ -274,7 +250,7 @@ def vllm_ops(rec: dict, course_manager) -> tuple[list[tuple], str | None]:
     return ops, None
 
 
-def _reset_request(req: _VllmRequest, tokens: list[int]) -> None:
+def _reset_request(req: Any, tokens: list[int]) -> None:
     req.all_token_ids = list(tokens)
     req.block_hashes = []
     req.num_preemptions = 0

@@ -263,10 +263,6 @@ class Checkpoint:
         step touched it, else its value now (an object is touched before it first changes)."""
         return self.saved(obj, name) if id(obj) in self._fields else getattr(obj, name)
 
-    def __len__(self) -> int:
-        """Objects saved so far."""
-        return len(self._fields)
-
     def commit(self) -> None:
         """The step succeeded: forget what was saved (the watched queues' logs are dropped
         with it: each step begins its own)."""

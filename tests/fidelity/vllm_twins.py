@@ -228,9 +228,10 @@ class CourseManager(_ManagerTwin):
         }
 
 
-class _RealRequest:
+class VllmRequest:
     """The fields of ``vllm.v1.request.Request`` the KV-cache manager reads; ``block_hashes``
-    grows as vLLM's does (``update_block_hashes`` with vLLM's own block hasher)."""
+    grows as vLLM's does (``update_block_hashes`` with vLLM's own block hasher). Also what
+    ``bench/peers.py`` hands vLLM's manager."""
 
     def __init__(self, request_id: str, tokens: list[int], salt, hasher, waiting) -> None:
         self.request_id = request_id
@@ -280,12 +281,12 @@ class RealManager(_ManagerTwin):
         status = vllm.kv_cache_manager.RequestStatus
         self.waiting, self.preempted, self.running_status = \
             status.WAITING, status.PREEMPTED, status.RUNNING
-        self.requests: dict[int, _RealRequest] = {}
+        self.requests: dict[int, VllmRequest] = {}
         self.totals = [0, 0, 0, 0]           # the stats, summed over every step's snapshot
 
     def _add(self, rid):
         req = self.reqs[rid]
-        self.requests[rid] = _RealRequest(str(rid), req.tokens, req.salt, self.hasher,
+        self.requests[rid] = VllmRequest(str(rid), req.tokens, req.salt, self.hasher,
                                           self.waiting)
 
     def _ids(self, blocks) -> list[int]:
