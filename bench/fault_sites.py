@@ -10,7 +10,8 @@ Used by ``tests/test_fault_sites.py`` (a sample of it, and the detector proofs) 
   own functions. A site is ``(owner, name)``, its owner the class that defines it (an inherited
   method is one site, the base's) or the module; ``kind`` says which part of the engine it is
   (manager, pool, prefix cache, radix tree, scheduler, output processing, engine step, runner,
-  sampler, metrics, request).
+  sampler, metrics, request, connector: a KV connector's, reached only by a design with one,
+  such as :data:`OFFLOAD_DESIGN`).
 * **Faults** (:class:`Injector`): a site is wrapped where every caller finds it: on the class
   (instances and bound methods fetched later see it), or, for a function, in every
   ``course_lib`` module that bound it by name (``from .sampler import sample`` binds
@@ -102,9 +103,12 @@ SOURCES: list[tuple[str, str, list[str] | str | None]] = [
     ("sampler", "course_lib.engine.logprobs", None),
     ("metrics", "course_lib.scheduler.metrics", ["Metrics"]),
     ("request", "course_lib.sequence", ["Request", "Sequence", "SamplingParams"]),
+    ("connector", "course_lib.scheduler.kv_connector", ["KVConnectorScheduler"]),
+    ("connector", "course_lib.engine.kv_connector", ["KVConnectorBase_V1"]),
+    ("connector", "course_lib.engine.cpu_offload", ["CPUOffloadConnector", "CPUBlockPool"]),
 ]
 KINDS = ("manager", "pool", "prefix cache", "radix tree", "scheduler", "output processing",
-         "engine step", "runner", "sampler", "metrics", "request")
+         "engine step", "runner", "sampler", "metrics", "request", "connector")
 # The entry point itself (the harness marks the step with it); and how a checkpoint reads a
 # class's fields, worked out once per class and process (before any recorded step), so a
 # fault there never fires in a later run.
@@ -320,6 +324,10 @@ DESIGNS = {
     "v1 radix": dict(design="v1", preemption_mode="recompute", num_cpu_blocks=0,
                      prefix_cache="radix"),
 }
+# V1 with a CPU offload tier of 32 blocks (course_lib.engine.cpu_offload): not swept by default
+# (tests/test_kv_connector.py adds it to DESIGNS for its own fault runs)
+OFFLOAD_DESIGN = dict(design="v1", preemption_mode="recompute", num_cpu_blocks=0,
+                      prefix_cache="hash", kv_offloading_size=32 * 8192 / 2**30)
 
 
 def make_engine(model, design: str, *, num_gpu_blocks: int = 12, budget: int = 32,
@@ -334,7 +342,8 @@ def make_engine(model, design: str, *, num_gpu_blocks: int = 12, budget: int = 3
                          max_model_len=model.config.max_position,
                          preemption_mode=d["preemption_mode"])
     cc = CacheConfig(block_size=4, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=cpu,
-                     watermark=0.0, enable_prefix_caching=True, prefix_cache=d["prefix_cache"])
+                     watermark=0.0, enable_prefix_caching=True, prefix_cache=d["prefix_cache"],
+                     kv_offloading_size=d.get("kv_offloading_size"))
     return LLMEngine(model, sc, cc, stop_token_ids=(), design=d["design"], clock=lambda: 0.0)
 
 
@@ -426,7 +435,24 @@ def _content(engine: LLMEngine) -> list[torch.Tensor]:
         cached = sorted(bm._tree_blocks())
     idx = torch.tensor(cached, dtype=torch.long)
     out += [c[idx].clone() for layer in r.gpu_caches for c in layer]
+    conn = getattr(engine, "kv_connector", None)
+    if conn is not None:                       # the CPU tier's blocks that hold a prefix
+        idx = torch.tensor(sorted(conn.cpu_pool.hash_to_block.values()), dtype=torch.long)
+        out += [c[idx].clone() for layer in conn.cpu_caches for c in layer]
     return out
+
+
+def _connector_state(engine: LLMEngine):
+    """A KV connector's bookkeeping (the CPU tier's), and the scheduler's queue for it."""
+    conn, s = getattr(engine, "kv_connector", None), engine.scheduler
+    if conn is None:
+        return None
+    pool = conn.cpu_pool
+    return (list(pool.hash_to_block.items()), list(pool.free_blocks), pool.num_evictions,
+            conn.num_queried_tokens, conn.num_hit_tokens, conn.num_loaded_blocks,
+            conn.num_stored_blocks, sorted(conn._finished_recving),
+            [q.seq_id for q in s.waiting_for_remote], sorted(s.finished_recving_kv_req_ids),
+            {k: [b.block_id for b in v] for k, v in engine.block_manager.delayed_frees.items()})
 
 
 def _metrics(engine: LLMEngine) -> dict:
@@ -465,6 +491,7 @@ def engine_state(engine: LLMEngine) -> tuple[dict, list[torch.Tensor]]:
             [(q.seq_id, q.index, q.status, q.num_computed_tokens, list(q.output_token_ids),
               q.cumulative_logprob, [list(t) for t in q.output_logprobs]) for q in r.seqs])
     plain = {"queues": queues, "requests": reqs, "manager": _manager_state(engine),
+             "connector": _connector_state(engine),
              **counters(engine),
              "engine maps": (sorted(engine._requests), sorted(engine._seeds.items())),
              "last_output": id(engine.last_output)}

@@ -70,11 +70,19 @@ class CacheConfig:
     watermark: float = 0.01
     enable_prefix_caching: bool = False
     prefix_cache: str = "hash"
+    #: vLLM 0.33.0's ``kv_offloading_size`` (GiB of CPU memory for a KV offload tier, V1 only:
+    #: ``course_lib.engine.cpu_offload``); None: no tier. Not ``cpu_offload_gib`` (weights).
+    kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)       # a power of two in [1, 256], as everywhere
         if self.prefix_cache not in ("hash", "radix"):
             raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int | float)
+                                 or not size > 0):
+            raise ValueError(f"kv_offloading_size is GiB of CPU memory for the KV offload tier, "
+                             f"> 0 (or None: no tier), got {size!r}")
 
     @staticmethod
     def from_swap_space(swap_space_gib: float, block_bytes: int, **kwargs) -> CacheConfig:

@@ -170,6 +170,8 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    # vLLM V1's RequestStatus: blocks allocated, K/V loading from a KV connector (V1 only)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "finished_stopped"          # a stop token (not produced by the sim)
     FINISHED_LENGTH_CAPPED = "finished_length"     # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"          # abort_request, or a beam dropped

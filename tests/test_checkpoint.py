@@ -315,6 +315,36 @@ def test_the_parts_a_step_saves_are_everything_the_manager_owns(design, prefix_c
                for o in owned_objects(manager))
 
 
+def test_the_parts_a_step_saves_cover_everything_a_kv_connector_owns():
+    """A KV connector's ``rollback_parts`` (saved by ``engine/rollback.begin_connector``) are
+    every object it owns, the manager it is bound to aside (the manager's parts are listed
+    above), after a workload of stores, CPU hits and LRU evictions. Proven: leaving its
+    pool out is reported."""
+    from course_lib.config import CacheConfig, SchedulerConfig
+    from course_lib.engine.cpu_offload import CPUOffloadConnector
+    from course_lib.scheduler.v1 import SchedulerV1
+    from course_lib.sequence import SamplingParams
+    from course_lib.sim.fake_sampler import fake_samples
+
+    conn = CPUOffloadConnector(6, load_async=True)
+    cc = CacheConfig(block_size=4, num_gpu_blocks=12, enable_prefix_caching=True)
+    s = SchedulerV1(SchedulerConfig(max_num_seqs=4), cc, conn)
+    for i in range(6):
+        s.add_request(i, [1 + i % 2, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+                      SamplingParams(max_tokens=6))
+    for _ in range(14):
+        out = s.schedule()
+        s.update(out, fake_samples(out))
+        s.update_from_kv_xfer_finished(None, set(out.kv_connector_metadata.async_seq_ids))
+    assert conn.num_stored_blocks and conn.num_hit_tokens and conn.cpu_pool.num_evictions
+    manager = {id(o) for o in owned_objects(s.kv_cache_manager)}
+    listed = {id(o) for o in conn.rollback_parts()}
+    missing = [type(o).__name__ for o in owned_objects(conn)
+               if id(o) not in listed and id(o) not in manager]
+    assert not missing, f"objects of the connector a step may change but does not save: {missing}"
+    assert any(id(o) not in {id(conn)} and id(o) not in manager for o in owned_objects(conn))
+
+
 # ------------------------------------- managers that save what they change, rolled back
 MANAGER_OPS = st.lists(st.tuples(st.sampled_from(["admit", "free", "grow"]), st.integers(0, 5),
                                  st.integers(1, 3)), max_size=20)

@@ -12,4 +12,7 @@
 * ``sampler``       greedy, temperature + top-p with seeded generators, beam candidates
 * ``workloads``     traces scaled to the model, trace runs, the static baseline, sharing savings
 * ``beam_search``   beam search as a loop over the engine, outside its core (what vLLM V1 does)
+* ``kv_connector``  vLLM V1's KV-connector interface (``KVConnectorBase_V1``): scheduler side
+                    (``scheduler/kv_connector.py``) and worker side, one object for both
+* ``cpu_offload``   a CPU offload tier behind it (``kv_offloading_size``), keyed by V1's hashes
 """

@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -50,7 +51,9 @@ from ..scheduler.output import ScheduledSeq, SchedulerOutput
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.v1 import SchedulerV1
 from ..sequence import Request, RequestFailed, SamplingParams, SequenceStatus
+from .cpu_offload import CPUOffloadConnector
 from .inputs import check_request_id, generate_inputs, prompt_token_ids, request_params
+from .kv_connector import KVConnectorBase_V1
 from .logprobs import attach_logprobs, top_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
@@ -63,6 +66,9 @@ from .rollback import (
     blocks_before,
 )
 from .sampler import sample
+
+if TYPE_CHECKING:
+    import torch
 
 # ``_sample_twice`` and ``_protect`` call ``sample`` and ``blocks_at_risk`` by this module's
 # names, so that tests and ``bench/chaos.py`` can replace them here.
@@ -88,6 +94,10 @@ class LLMEngine:
     ``clock``: seconds, for the timestamps (tests may pass a fake one).
     ``design``: ``"v0"`` (the default: vLLM V0's block manager and scheduler, the paper's
     design) or ``"v1"`` (vLLM V1's ``KVCacheManager`` and scheduler); see :data:`DESIGNS`.
+    ``kv_connector``: a KV connector (V1 only, :mod:`course_lib.engine.kv_connector`), handed
+    to the scheduler (its scheduler side) and the runner (its worker side); None by default,
+    or a CPU offload tier when ``cache_config.kv_offloading_size`` is set
+    (:class:`~course_lib.engine.cpu_offload.CPUOffloadConnector`). Without one nothing changes.
     """
 
     def __init__(self, model: TinyLlama | None = None,
@@ -95,7 +105,8 @@ class LLMEngine:
                  cache_config: CacheConfig | None = None, *, attn_impl: str = "auto",
                  stop_token_ids: Sequence[int] = (EOS_ID,),
                  clock: Callable[[], float] = time.perf_counter,
-                 model_name: str = "tiny-llama", design: str = "v0") -> None:
+                 model_name: str = "tiny-llama", design: str = "v0",
+                 kv_connector: KVConnectorBase_V1 | None = None) -> None:
         if model is None:
             from ..model.loader import load_tiny_model
 
@@ -113,12 +124,18 @@ class LLMEngine:
         self.design = design
         self.model = model
         self.tokenizer = ByteTokenizer()
-        self.scheduler = DESIGNS[design](scheduler_config, cache_config)
+        kv_connector = self._kv_connector(model, cache_config, design, kv_connector)
+        self.scheduler = DESIGNS[design](scheduler_config, cache_config) if kv_connector is None \
+            else SchedulerV1(scheduler_config, cache_config, kv_connector)
         self.block_manager = self.scheduler.block_manager
         # the runner's swap space is the block manager's CPU pool (V1's manager has none)
         self.runner = ModelRunner(
             model, replace(cache_config, num_cpu_blocks=self.block_manager.num_cpu_blocks),
             attn_impl)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:                 # the worker side: the runner's tensors
+            self.runner.kv_connector = kv_connector
+            kv_connector.register_kv_caches(self.runner.gpu_caches)
         self._check_block_size()
         self.metrics = Metrics(self.scheduler, model_name)
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -131,6 +148,26 @@ class LLMEngine:
         self.num_steps = 0
         self._broken: RollbackFailed | None = None     # a failed step could not be undone
         self._lock = threading.RLock()       # a step, and requests coming in or aborted
+
+    @staticmethod
+    def _kv_connector(model: TinyLlama, cache_config: CacheConfig, design: str,
+                      kv_connector: KVConnectorBase_V1 | None) -> KVConnectorBase_V1 | None:
+        """The connector given, or the CPU offload tier ``kv_offloading_size`` asks for
+        (sized by the model's bytes per block), or None."""
+        size = cache_config.kv_offloading_size
+        if kv_connector is None and size is None:
+            return None
+        if design != "v1":
+            raise ValueError("a KV connector (or kv_offloading_size) needs design='v1': the V0 "
+                             "design has its own CPU tier, swap space (num_cpu_blocks)")
+        if kv_connector is not None and size is not None:
+            raise ValueError("give kv_connector or CacheConfig.kv_offloading_size, not both")
+        if kv_connector is None:
+            cfg, param = model.config, next(model.parameters())
+            block_bytes = (2 * cfg.num_layers * cache_config.block_size * cfg.num_kv_heads
+                           * cfg.head_dim * param.element_size())
+            kv_connector = CPUOffloadConnector.from_kv_offloading_size(size, block_bytes)
+        return kv_connector
 
     def _check_block_size(self) -> None:
         """The block manager's tables and the runner's tensors must agree on a block's size
@@ -265,7 +302,7 @@ class LLMEngine:
         out = sched.schedule()
         self._protect(out, txn)
         self.runner.execute_cache_ops(out)
-        logits = self.runner.execute_model(out.scheduled)
+        logits = self._execute_model(out, out.scheduled)
         samples = {}
         for e in out.scheduled:
             if e.num_candidates:
@@ -277,6 +314,9 @@ class LLMEngine:
         tops = top_logprobs(out, logits)
         now = self.now()
         finished = sched.update(out, samples, now)
+        if self.kv_connector is not None:          # the worker side's finished transfers
+            sched.update_from_kv_xfer_finished(*self.kv_connector.get_finished(
+                {s.seq_id for r in finished for s in r.seqs}))
         attach_logprobs(out, tops)
         outputs = [request_output(r, self.tokenizer) for r in finished]
         self.metrics.update(sched)                  # held until the commit below
@@ -285,6 +325,19 @@ class LLMEngine:
         txn.last_output = out
         txn.commit()
         return finished, outputs
+
+    def _execute_model(self, out: SchedulerOutput, entries: list[ScheduledSeq]
+                       ) -> dict[int, torch.Tensor]:
+        """The forward over ``entries``, with the step's KV-connector metadata bound for it
+        (and cleared after, whatever happens)."""
+        conn = self.kv_connector
+        if conn is None:
+            return self.runner.execute_model(entries)
+        conn.bind_connector_metadata(out.kv_connector_metadata)
+        try:
+            return self.runner.execute_model(entries)
+        finally:
+            conn.clear_connector_metadata()
 
     def _sample_twice(self, entry: ScheduledSeq, logits) -> list[tuple[int, float]]:
         """Sample (a seeded, pure function of the logits); a failure is tried once more, so
@@ -335,7 +388,7 @@ class LLMEngine:
             for rid, entries in by_request.items():
                 for attempt in range(2):
                     try:
-                        self.runner.execute_model(entries)
+                        self._execute_model(out, entries)
                         break
                     except Exception as exc:
                         if attempt:

@@ -16,7 +16,14 @@ The runner owns the tensors and turns their decisions into work (vLLM's ``CacheE
   from the block ids each entry carries (context length = ``num_computed_tokens``). The
   runner never sees the block manager: the scheduler's output is all it needs.
 * :meth:`ModelRunner.execute_model`: the forward; returns the logits row of each entry that
-  samples.
+  samples. With a KV connector (``kv_connector``, V1's worker side, its step's metadata bound
+  by the engine): ``start_load_kv`` and every layer's ``wait_for_layer_load`` before the
+  forward, every layer's ``save_kv_layer`` and ``wait_for_save`` after it. vLLM calls the
+  per-layer pair from inside each attention layer
+  (``vllm/model_executor/layers/attention/kv_transfer_utils.py``); the tiny Llama runs its
+  layers in one call, so the course keeps the contract (a layer's loads land before its
+  attention reads the cache, its saves read what its attention wrote) without overlapping
+  transfers with compute.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ..kernels.cache_ops import swap_blocks
 from ..model.attention import AttentionMetadata, make_attention_metadata
 from ..model.llama import KVCache, TinyLlama, allocate_kv_caches
 from ..scheduler.output import ScheduledSeq, SchedulerOutput
+from .kv_connector import KVConnectorBase_V1
 
 
 class ModelRunner:
@@ -57,6 +65,7 @@ class ModelRunner:
             if cc.num_cpu_blocks else [])
         self.num_swapped_blocks = 0       # out + in, for reports
         self.num_copied_blocks = 0        # copy-on-write copies
+        self.kv_connector: KVConnectorBase_V1 | None = None   # V1's worker side, if any
 
     def counters(self) -> tuple[int, int]:
         """(blocks swapped, blocks copied) so far (a failed step puts them back, with the
@@ -128,11 +137,24 @@ class ModelRunner:
     def execute_model(self, scheduled: Sequence[ScheduledSeq]) -> dict[int, torch.Tensor]:
         """Run the forward over the batch; ``{seq_id: logits [vocab]}`` (float32, on the CPU)
         of the last fed token of each entry with ``num_candidates > 0``."""
+        conn = self.kv_connector
+        if conn is not None and not conn.has_connector_metadata():
+            conn = None                                  # no transfers bound for this call
+        if conn is not None:                             # loads land before attention reads
+            conn.start_load_kv()
+            for layer in range(len(self.gpu_caches)):
+                conn.wait_for_layer_load(layer)
         if not scheduled:
+            if conn is not None:
+                conn.wait_for_save()
             return {}
         input_ids, positions, meta = self.prepare_inputs(scheduled)
         logits = self.model(input_ids, positions, self.gpu_caches, meta,
                             impl=self.attn)                           # [num_tokens, vocab]
+        if conn is not None:                             # saves read what attention wrote
+            for layer, kv in enumerate(self.gpu_caches):
+                conn.save_kv_layer(layer, kv, meta)
+            conn.wait_for_save()
         rows = meta.last_token_indices().to(logits.device)
         last = logits.index_select(0, rows).cpu()                     # [num_seqs, vocab]
         return {e.seq.seq_id: last[i] for i, e in enumerate(scheduled) if e.num_candidates}

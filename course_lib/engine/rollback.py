@@ -13,13 +13,16 @@ top of ``LLMEngine.step`` and committed at its end or rolled back, owns all of i
   a step pays for what it touches, not for the pool or the tree); the scheduler
   adds the requests it touches (``Scheduler.begin``), and the waiting queue logs its moves
   instead of being copied. The cost: the running requests and the manager's own state, never
-  the waiting queue.
+  the waiting queue. A KV connector (V1's ``kv_connector``) is listed the same way
+  (:func:`begin_connector`: the objects its ``rollback_parts`` names, and the checkpoint for
+  the undos it registers itself).
 * **Tensors: only the blocks at risk.** Most writes of a step land where nothing lived
   before it: new tokens' slots past a sequence's old end, blocks that were free. Those need no
   undo: after a rollback nothing points at them. A write is at risk only when a block written
   in this step held something at its start: a cached block evicted for the step, or a block
   freed by a preemption and handed out again in the same step. Those blocks
-  (:func:`blocks_at_risk`, from what the checkpoint saved) are copied before the cache
+  (:func:`blocks_at_risk`, from what the checkpoint saved; with a KV connector also the GPU
+  blocks its loads write) are copied before the cache
   operations run and copied back on failure.
 * **Metrics** hold their changes until the commit (``Metrics.begin`` / ``commit`` /
   ``discard``): their collectors are ``prometheus_client`` objects, not plain fields to copy.
@@ -97,6 +100,16 @@ def begin_manager(checkpoint: Checkpoint, manager: object) -> None:
         manager.tree.checkpoint = checkpoint
 
 
+def begin_connector(checkpoint: Checkpoint, connector: object | None) -> None:
+    """Save what a step may change in a KV connector (``rollback_parts``: the connector and
+    the objects it owns) and hand it the checkpoint (``attach``) for the undos it registers
+    itself (contents of its own buffers it overwrites). Nothing without a connector."""
+    if connector is None:
+        return
+    checkpoint.touch(*connector.rollback_parts())
+    connector.attach(checkpoint)
+
+
 class BlocksBefore(NamedTuple):
     """What the blocks were when the step began, as :func:`blocks_at_risk` needs it."""
     tables: dict[int, tuple[str, list[int]]]   # seq_id -> (device, block ids)
@@ -133,10 +146,13 @@ def blocks_before(checkpoint: Checkpoint, manager: object) -> BlocksBefore:
 def blocks_at_risk(out: SchedulerOutput, before: BlocksBefore,
                    block_size: int) -> tuple[list[int], list[int]]:
     """(GPU blocks, CPU blocks) this step writes whose contents mattered when it started:
-    destinations of copy-on-write copies and swaps, and blocks the forward writes new tokens'
-    K/V into, except those that were free then and, for the forward, a sequence's own blocks
-    (it writes past its old end there, where nothing lived)."""
+    destinations of copy-on-write copies, swaps and a KV connector's loads, and blocks the
+    forward writes new tokens' K/V into, except those that were free then and, for the
+    forward, a sequence's own blocks (it writes past its old end there, where nothing
+    lived)."""
     gpu = {dst for _, dst in out.blocks_to_copy} | {dst for _, dst in out.blocks_to_swap_in}
+    if out.kv_connector_metadata is not None:          # a connector's loads write these
+        gpu.update(out.kv_connector_metadata.gpu_blocks_written())
     for e in out.scheduled:
         ctx = e.seq.num_computed_tokens              # before update() advances it
         first, last = ctx // block_size, (ctx + e.num_tokens - 1) // block_size
@@ -168,6 +184,7 @@ class StepTransaction:
             scheduler.begin(self.checkpoint)
             self.checkpoint.touch(runner)
             begin_manager(self.checkpoint, scheduler.block_manager)
+            begin_connector(self.checkpoint, getattr(scheduler, "kv_connector", None))
             metrics.begin()
         except BaseException:
             self.closed = True                       # nothing changed yet: nothing to undo

@@ -17,4 +17,6 @@
 * ``metrics``           Prometheus collectors with vLLM's names, fed by the engine and the replay
 * ``v1``                :class:`SchedulerV1`: vLLM V1's scheduler (one token budget, no phases,
                         recompute only, ``n`` child sequences) over the V1 ``KVCacheManager``
+* ``kv_connector``      :class:`KVConnectorScheduler`: the scheduler side of vLLM V1's KV
+                        connector (external hits, per-step transfer metadata, delayed frees)
 """

@@ -205,7 +205,10 @@ class Metrics:
         step): the engine and the model-free replay feed the metrics the same way."""
         m, bm = self.model_name, scheduler.block_manager
         gauges = [(self.num_requests_running, len(scheduler.running)),
-                  (self.num_requests_waiting, len(scheduler.waiting)),
+                  # vLLM counts the requests waiting with blocks (for a KV connector's
+                  # loads) as waiting too (get_request_counts: kv_holding_waiting)
+                  (self.num_requests_waiting, len(scheduler.waiting)
+                   + len(getattr(scheduler, "waiting_for_remote", ()))),
                   (self.gpu_cache_usage, bm.usage("gpu").block_usage)]
         stats = bm.prefix_cache_stats
         if self.design == "v0":

@@ -29,6 +29,19 @@ class ScheduledSeq:
 
 
 @dataclass
+class KVConnectorMetadata:
+    """One step's transfers, built by the scheduler side, read by the worker side (plain data:
+    in vLLM it crosses a process boundary). Subclasses add their fields.
+
+    ``gpu_blocks_written()``: the GPU blocks the worker side writes this step (loads). The
+    step's transaction backs up those whose contents mattered when it began, so that a failed
+    step puts them back (``engine/rollback.py``'s blocks at risk)."""
+
+    def gpu_blocks_written(self) -> list[int]:
+        return []
+
+
+@dataclass
 class SchedulerOutput:
     """Everything the engine needs for one step (plain data)."""
 
@@ -39,6 +52,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) CoW
     preempted: list[tuple[int, str]] = field(default_factory=list)  # (request_id, mode)
     ignored: list[Request] = field(default_factory=list)   # finished without running
+    # the KV connector's transfers for this step (V1 with a connector: build_connector_meta)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

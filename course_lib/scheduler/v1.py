@@ -20,6 +20,20 @@ loop over the engine: ``LLM.beam_search``; here ``course_lib.engine.beam_search`
 
 It produces the same :class:`SchedulerOutput` as the V0 scheduler (never any copy or swap),
 takes the same ``update``, and keeps its queues of sequences in ``waiting`` and ``running``.
+
+**With a KV connector** (``kv_connector``: :mod:`course_lib.scheduler.kv_connector` is the part the
+scheduler calls, :mod:`course_lib.engine.kv_connector` the whole interface; None: none of
+this happens), as vLLM 0.33.0's scheduler: after the local prefix-cache hit of a waiting
+sequence, the connector is asked for more (``get_num_new_matched_tokens``); blocks are
+allocated for those external tokens too (they count as computed, not against the token
+budget) and the connector told which (``update_state_after_alloc``). A sequence whose external
+tokens load asynchronously waits in ``waiting_for_remote`` (status
+``WAITING_FOR_REMOTE_KVS``; vLLM 0.33.0's ``kv_holding_waiting`` queue) until the worker side
+reports the load done (``get_finished``, handed in by
+:meth:`SchedulerV1.update_from_kv_xfer_finished`); then it runs. Each
+``schedule()`` ends with ``build_connector_meta``, carried by the output. A finishing sequence's
+blocks are kept while the connector says a transfer still reads them (``request_finished``,
+through the manager's ``free_delay``), until ``get_finished`` reports it done sending.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 from functools import partial
+from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
 from ..config import CacheConfig, SchedulerConfig
@@ -37,6 +52,9 @@ from ..sizing.units import cdiv
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_step
 from .waiting import WaitingQueue
+
+if TYPE_CHECKING:
+    from .kv_connector import KVConnectorScheduler
 
 S = SequenceStatus
 
@@ -51,7 +69,8 @@ class SchedulerV1:
     __rollback_skip__ = ("waiting", "requests", "checkpoint")
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
-                 cache_config: CacheConfig | None = None) -> None:
+                 cache_config: CacheConfig | None = None,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         self.config = scheduler_config or SchedulerConfig()
         self.cache_config = cc = cache_config or CacheConfig()
         manager = RadixKVCacheManager if cc.prefix_cache == "radix" else KVCacheManager
@@ -67,6 +86,18 @@ class SchedulerV1:
         self._next_seq_id = 0
         self.preempted: set[int] = set()             # seq ids preempted since admitted
         self.checkpoint: Checkpoint | None = None      # the running step's: see begin
+        # the KV connector (module docstring); its objects are the step's too (rollback.py)
+        self.kv_connector = kv_connector
+        self.waiting_for_remote: list[Sequence] = []   # WAITING_FOR_REMOTE_KVS, blocks held
+        #                               (vLLM's kv_holding_waiting; counted as waiting)
+        self.finished_recving_kv_req_ids: set[int] = set()   # their loads, reported done
+        if kv_connector is not None:
+            if cc.prefix_cache != "hash":
+                raise ValueError("a KV connector works with V1's KVCacheManager: use "
+                                 "CacheConfig(prefix_cache='hash') (the radix tree has no "
+                                 "connector in this course)")
+            kv_connector.bind_kv_cache_manager(self.kv_cache_manager)
+            self.kv_cache_manager.free_delay = self._delay_free
 
     # ------------------------------------------------------------------------ requests
     def check_prompt_len(self, prompt_len: int) -> None:
@@ -113,14 +144,14 @@ class SchedulerV1:
         return self._next_seq_id - 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote)
 
     def abort_request(self, request_id: int) -> bool:
         return self.finish_request(request_id, S.FINISHED_ABORTED, "aborted by the user")
 
     def finish_request(self, request_id: int, status: SequenceStatus, detail: str) -> bool:
         """Finish every live sequence of the request (freeing their blocks)."""
-        seqs = [s for s in (*self.waiting, *self.running)
+        seqs = [s for s in (*self.waiting, *self.running, *self.waiting_for_remote)
                 if self.requests[s.seq_id].request_id == request_id]
         if not seqs:
             return False
@@ -133,10 +164,14 @@ class SchedulerV1:
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting_for_remote:
+            self.waiting_for_remote.remove(seq)
         elif self.waiting and self.waiting[0] is seq:
             self.waiting.pop_front()                # ignored at the head of the queue
         elif seq in self.waiting:                   # finished from the queue between steps
             self.waiting.remove_at(self.waiting.index(seq))
+        if self.kv_connector is not None:
+            seq.status = status                     # request_finished is asked when it frees
         self.kv_cache_manager.forget(seq.seq_id)
         req = self.requests.get(seq.seq_id)
         if req is not None and self._in_step():   # the undo first, then the change
@@ -150,6 +185,8 @@ class SchedulerV1:
         """Pick this step's work; allocates, and preempts by recompute when short."""
         out = SchedulerOutput(self.num_steps)
         self.num_steps += 1
+        if self.finished_recving_kv_req_ids:
+            self._update_waiting_for_remote_kv()
         budget, kvm = self.config.max_num_batched_tokens, self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0:
@@ -171,6 +208,8 @@ class SchedulerV1:
             i += 1
         if not out.preempted:
             self._schedule_waiting(budget, out)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
 
     def _add_entry(self, out: SchedulerOutput, seq: Sequence, num_new: int,
@@ -204,7 +243,9 @@ class SchedulerV1:
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         kvm = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        conn = self.kv_connector
+        while self.waiting and budget > 0 and \
+                len(self.running) + len(self.waiting_for_remote) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self.save_request(self.requests[seq.seq_id])    # admitted or ignored below
             req = self.requests[seq.seq_id]
@@ -217,22 +258,35 @@ class SchedulerV1:
                     out.ignored.append(req)
                 continue
             hits, num_hit = kvm.get_computed_blocks(seq.seq_id, seq.token_ids, req.cache_salt)
-            num_new = len(seq) - num_hit
+            num_external, load_async = 0, False
+            if conn is not None:                  # external hits, after the local ones
+                num_external, load_async = conn.get_num_new_matched_tokens(seq, num_hit)
+                if num_external is None:          # the connector does not know yet
+                    break
+            num_computed = num_hit + num_external
+            num_new = 0 if load_async else len(seq) - num_computed
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             # the watermark holds only while some request runs (vLLM's has_scheduled_reqs)
-            ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_new, hits,
-                                     admission=bool(self.running))
+            ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_external + num_new,
+                                     hits, admission=bool(self.running))
             if ids is None:
                 break
             self.waiting.pop_front()
             # vLLM counts a re-admission after a preemption apart (PrefixCacheStats.record)
             kvm.record_prefix_cache_stats(len(seq), num_hit,
                                           preempted=seq.seq_id in self.preempted)
+            if conn is not None:
+                conn.update_state_after_alloc(seq, ids, num_external)
             if req.first_scheduled_time is None and seq.index == 0:
-                req.num_cached_tokens = num_hit
-            seq.num_computed_tokens, seq.status = num_hit, S.RUNNING
+                req.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
+            if load_async:                        # runs once the worker reports the load
+                seq.status = S.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_remote.append(seq)
+                continue
+            seq.status = S.RUNNING
             self.running.append(seq)
             self._add_entry(out, seq, num_new, ids)
             budget -= num_new
@@ -252,6 +306,39 @@ class SchedulerV1:
         return apply_step(self, out, samples, now,
                           on_computed=self._cache_computed if radix else None,
                           on_sampled=self._drop_finished)
+
+    # ------------------------------------------------------------------ the KV connector
+    def update_from_kv_xfer_finished(self, finished_sending: set[int] | None,
+                                     finished_recving: set[int] | None) -> None:
+        """The worker side's ``get_finished``, after a step (vLLM's
+        ``_update_from_kv_xfer_finished``): the blocks of sequences done sending are freed
+        now; sequences done receiving run from the next ``schedule()``."""
+        for seq_id in finished_sending or ():
+            self.kv_cache_manager.free_delayed(seq_id)
+        if finished_recving:
+            self.finished_recving_kv_req_ids |= finished_recving
+
+    def _update_waiting_for_remote_kv(self) -> None:
+        """Sequences whose external K/V arrived run now (their computed tokens were set at
+        admission; the running loop gives them their remaining tokens)."""
+        done = self.finished_recving_kv_req_ids
+        for seq in [s for s in self.waiting_for_remote if s.seq_id in done]:
+            self.save_request(self.requests[seq.seq_id])
+            self.waiting_for_remote.remove(seq)
+            seq.status = S.RUNNING
+            self.running.append(seq)
+        self.finished_recving_kv_req_ids = set()    # (the others were aborted meanwhile)
+
+    def _delay_free(self, seq_id: int, block_ids: list[int]) -> bool:
+        """The manager's ``free_delay``: a finished sequence's blocks are kept when the
+        connector's ``request_finished`` says a transfer still reads them (a preempted
+        sequence's are not: it is not finished)."""
+        req = self.requests.get(seq_id)
+        seq = next((s for s in req.seqs if s.seq_id == seq_id), None) if req else None
+        if seq is None or not seq.status.is_finished:
+            return False
+        delay, _ = self.kv_connector.request_finished(seq, block_ids)
+        return delay
 
     def _cache_computed(self, e: ScheduledSeq) -> None:
         """The radix design, after the step: a sequence whose step completed a block tells the
@@ -306,6 +393,12 @@ class SchedulerV1:
         for seq in self.waiting:
             assert seq.status == S.WAITING, f"seq {seq.seq_id}: {seq.status} in waiting"
             assert not kvm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
-        assert set(kvm.seq_ids()) == {s.seq_id for s in self.running}, \
+        for seq in self.waiting_for_remote:
+            assert seq.status == S.WAITING_FOR_REMOTE_KVS, f"seq {seq.seq_id}: {seq.status}"
+            assert kvm.has_seq(seq.seq_id), f"seq {seq.seq_id} waits for K/V without blocks"
+        assert set(kvm.seq_ids()) == {s.seq_id for s in (*self.running,
+                                                         *self.waiting_for_remote)}, \
             "block tables of sequences no queue holds"
+        if self.kv_connector is not None and hasattr(self.kv_connector, "check_invariants"):
+            self.kv_connector.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs

@@ -38,7 +38,7 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.v0.manager
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from ...sizing.units import cdiv
 from ..v1_interface import V1ManagerBase
@@ -73,6 +73,10 @@ class KVCacheManager(V1ManagerBase):
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         self.req_to_block_hashes: dict[int, list] = {}
         self.req_to_block_ids: dict[int, list[int]] = {}   # req_to_blocks' ids, kept alongside
+        # a KV connector's say over freeing (SchedulerV1 sets it): free_delay(seq_id, ids) True
+        # keeps a finished sequence's blocks, held, in delayed_frees until free_delayed
+        self.free_delay: Callable[[int, list[int]], bool] | None = None
+        self.delayed_frees: dict[int, list[KVCacheBlock]] = {}
 
     # ------------------------------------------------------------------------ queries
     @property
@@ -171,11 +175,24 @@ class KVCacheManager(V1ManagerBase):
         """Give the sequence's blocks back, tail first: the end of a chain is evicted before
         its beginning, which more requests are likely to share. Its hashes stay (a preempted
         sequence comes back with them) until :meth:`forget`."""
-        self._blocks_of(seq_id)                      # raises if it holds none
-        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(seq_id)))
+        blocks = self._blocks_of(seq_id)             # raises if it holds none
+        if self.free_delay is not None and self.free_delay(seq_id,
+                                                           self.req_to_block_ids[seq_id]):
+            self.delayed_frees[seq_id] = blocks      # a transfer still reads them: held
+        else:
+            self.block_pool.free_blocks(reversed(blocks))
+        del self.req_to_blocks[seq_id]
         self.req_to_block_ids.pop(seq_id, None)
         self.num_cached_block.pop(seq_id, None)
         self.num_slots.pop(seq_id, None)
+
+    def free_delayed(self, seq_id: int) -> None:
+        """The connector is done with a finished sequence's blocks (``free_delay`` kept
+        them): give them back now, tail first. Nothing if none were kept."""
+        blocks = self.delayed_frees.get(seq_id)
+        if blocks is not None:
+            self.block_pool.free_blocks(reversed(blocks))
+            del self.delayed_frees[seq_id]
 
     def forget(self, seq_id: int) -> None:
         """A finished sequence: drop its blocks (if any), its salt and its hashes."""
@@ -195,6 +212,9 @@ class KVCacheManager(V1ManagerBase):
         table holds the blocks its slots need, each cached block under its own hash."""
         self.block_pool.check_invariants()
         refs = [0] * self.num_gpu_blocks
+        for blocks in self.delayed_frees.values():   # kept for a connector's transfer
+            for block in blocks:
+                refs[block.block_id] += 1
         for seq_id, blocks in self.req_to_blocks.items():
             for block in blocks:
                 refs[block.block_id] += 1

@@ -1,0 +1,314 @@
+"""A CPU offload tier behind the KV-connector interface: vLLM 0.33.0's native KV offloading
+(``OffloadingConnector``, ``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``
+and ``offloading/``), in one page.
+
+The GPU pool is the first tier of the prefix cache; when it is full, vLLM V1 evicts cached
+blocks (least recently used first) and a later request that shares the prefix recomputes
+it. With ``CacheConfig.kv_offloading_size`` (GiB, vLLM's knob in ``vllm/config/cache.py``;
+``cpu_offload_gib`` is something else: *weights* kept in CPU memory) a second tier holds
+copies of full prefix blocks in CPU memory:
+
+* **Store when computed.** Every full block a step computes is copied to the CPU tier after
+  the forward (``save_kv_layer``), keyed by the same block hash V1's prefix cache uses
+  (:meth:`~course_lib.memory.v1.kv_cache_manager.KVCacheManager._hashes`: the chain carries
+  the prefix and the cache salt), unless the tier has it already. The tier is an LRU of its
+  own (:class:`CPUBlockPool`): a full tier evicts its least recently stored or hit block.
+  vLLM's offloading connector stores the same way (on compute, not on GPU eviction, so the
+  copy exists before the GPU block can be reused).
+* **Load on a hit.** A waiting request whose local (GPU) prefix hit stops short asks the tier
+  (``get_num_new_matched_tokens``): the consecutive blocks after the GPU hit that the tier
+  holds are loaded into freshly allocated GPU blocks before the forward, instead of being
+  recomputed; the request starts with them computed.
+* **Synchronous by default.** Loads complete before the step's forward, saves before it
+  returns (``wait_for_save``), so a request never waits and its blocks are never kept past
+  its end. ``load_async=True`` takes vLLM's asynchronous path instead: the request waits in
+  ``WAITING_FOR_REMOTE_KVS`` for a step while its blocks load, and ``get_finished`` reports
+  it (the course still copies within that step: the path, not the overlap, is what is shown).
+
+All or nothing: the pool and the connector are saved by the step's checkpoint when it begins
+(:meth:`CPUOffloadConnector.rollback_parts`), the GPU blocks loads overwrite are among the
+step's blocks at risk (:meth:`CPUOffloadMetadata.gpu_blocks_written`), and the CPU blocks a
+store overwrites that held another prefix are copied first, their undo registered with the
+checkpoint (:meth:`CPUOffloadConnector.start_load_kv`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..scheduler.output import KVConnectorMetadata
+from .kv_connector import KVConnectorBase_V1, KVConnectorRole
+
+if TYPE_CHECKING:
+    from ..memory.v1.kv_cache_manager import KVCacheManager
+    from ..model.attention import AttentionMetadata
+    from ..model.llama import KVCache
+    from ..scheduler.output import SchedulerOutput
+    from ..sequence import Sequence
+
+GiB = 1 << 30
+
+
+def num_offload_blocks(kv_offloading_size: float, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` (all layers, K and V) that ``kv_offloading_size`` GiB hold."""
+    if not kv_offloading_size > 0:
+        raise ValueError(f"kv_offloading_size must be > 0 GiB, got {kv_offloading_size!r}")
+    num = int(kv_offloading_size * GiB // block_bytes)
+    if num < 1:
+        raise ValueError(f"kv_offloading_size={kv_offloading_size} GiB holds no block of "
+                         f"{block_bytes} bytes: give at least {block_bytes / GiB:.3g} GiB")
+    return num
+
+
+class CPUBlockPool:
+    """The CPU tier's blocks: which block holds which hash, least recently used first
+    (vLLM's ``LRUOffloadingManager`` in ``vllm/v1/kv_offload/``, reduced to one medium).
+
+    ``hash_to_block`` is ordered by use (a hit or a store moves a hash to the end);
+    ``free_blocks`` are the blocks holding nothing."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"the CPU tier needs an int >= 1 of blocks, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.hash_to_block: OrderedDict[bytes, int] = OrderedDict()
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() -> 0 first
+        self.num_evictions = 0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.hash_to_block
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.hash_to_block.get(block_hash)
+
+    def touch(self, block_hash: bytes) -> None:
+        """A hit: the most recently used now."""
+        self.hash_to_block.move_to_end(block_hash)
+
+    def allocate(self, block_hash: bytes, pinned: set[int]) -> tuple[int, bytes | None] | None:
+        """A block for ``block_hash`` (not already held): a free one, else the least recently
+        used one not in ``pinned`` (evicted). Returns (block, the hash it held or None), or
+        None when every block is pinned (nothing changes)."""
+        if self.free_blocks:
+            block, evicted = self.free_blocks.pop(), None
+        else:
+            evicted = next((h for h, b in self.hash_to_block.items() if b not in pinned), None)
+            if evicted is None:
+                return None
+            block = self.hash_to_block.pop(evicted)
+            self.num_evictions += 1
+        self.hash_to_block[block_hash] = block
+        return block, evicted
+
+    def check_invariants(self) -> None:
+        held = list(self.hash_to_block.values())
+        assert len(set(held)) == len(held), "a CPU block holds two hashes"
+        assert sorted(held + self.free_blocks) == list(range(self.num_blocks)), \
+            "CPU blocks held + free != all"
+
+
+@dataclass
+class CPUOffloadMetadata(KVConnectorMetadata):
+    """One step's CPU-tier transfers (plain data)."""
+
+    loads: list[tuple[int, int]] = field(default_factory=list)     # (cpu block, gpu block)
+    async_seq_ids: list[int] = field(default_factory=list)         # loads reported as done
+    stores: list[tuple[int, int]] = field(default_factory=list)    # (gpu block, cpu block)
+    cpu_blocks_overwritten: list[int] = field(default_factory=list)  # held a prefix before
+
+    def gpu_blocks_written(self) -> list[int]:
+        return [gpu for _, gpu in self.loads]
+
+
+class CPUOffloadConnector(KVConnectorBase_V1):
+    """The CPU offload tier (module docstring). ``num_cpu_blocks``: the tier's size (or
+    :meth:`from_kv_offloading_size`); needs V1's hash prefix cache (its block hashes are the
+    tier's keys)."""
+
+    __rollback_skip__ = KVConnectorBase_V1.__rollback_skip__ + ("cpu_caches",)
+
+    def __init__(self, num_cpu_blocks: int, *, load_async: bool = False) -> None:
+        super().__init__(KVConnectorRole.SCHEDULER)
+        self.cpu_pool = CPUBlockPool(num_cpu_blocks)
+        self.load_async = load_async
+        self.block_size = 0                       # the manager's, once bound
+        self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # scheduler side, this step
+        self._lookup: dict[int, int] = {}          # seq_id -> its local hit (tokens)
+        self._loads: list[tuple[int, int]] = []
+        self._async_seq_ids: list[int] = []
+        # worker side
+        self._finished_recving: set[int] = set()
+        # counters (reports, and the tests' figures)
+        self.num_queried_tokens = 0     # tokens past the GPU hit asked about, per admission
+        self.num_hit_tokens = 0         # of them, loaded from the tier (prefill saved)
+        self.num_loaded_blocks = self.num_stored_blocks = 0
+
+    @classmethod
+    def from_kv_offloading_size(cls, kv_offloading_size: float, block_bytes: int,
+                                **kwargs: Any) -> CPUOffloadConnector:
+        """A tier of ``kv_offloading_size`` GiB (vLLM's ``--kv-offloading-size``) of blocks of
+        ``block_bytes`` (``ModelRunner.kv_bytes_per_block``)."""
+        return cls(num_offload_blocks(kv_offloading_size, block_bytes), **kwargs)
+
+    @property
+    def hit_rate(self) -> float:
+        """Tokens loaded from the tier / tokens asked about past the GPU hit."""
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+    # ------------------------------------------------------------------ binding
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        from ..memory.v1.kv_cache_manager import KVCacheManager
+
+        if not isinstance(kv_cache_manager, KVCacheManager) or \
+                not kv_cache_manager.enable_caching:
+            raise ValueError("the CPU offload tier is keyed by V1's block hashes: it needs "
+                             "design='v1' with CacheConfig(enable_prefix_caching=True, "
+                             "prefix_cache='hash')")
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.block_size = kv_cache_manager.block_size
+
+    def register_kv_caches(self, kv_caches: list[KVCache]) -> None:
+        """Allocate the tier's tensors: per layer, K and V of ``num_cpu_blocks`` blocks shaped
+        as the GPU caches' blocks, in CPU memory."""
+        super().register_kv_caches(kv_caches)
+        n = self.cpu_pool.num_blocks
+        self.cpu_caches = [tuple(torch.zeros((n, *c.shape[1:]), dtype=c.dtype, device="cpu")
+                                 for c in layer) for layer in kv_caches]
+
+    def rollback_parts(self) -> list[object]:
+        """The connector and its pool (copied when the step begins: their maps grow with the
+        tier, not with the step, which is cheap at the course's sizes)."""
+        return [self, self.cpu_pool]
+
+    # ------------------------------------------------------------ scheduler side
+    def _hashes(self, seq: Sequence) -> list:
+        return self.kv_cache_manager.req_to_block_hashes.get(seq.seq_id, [])
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        """The full blocks right after the GPU hit that the tier holds, at most up to
+        ``len(seq) - 1`` tokens (the block hashes were computed by the GPU lookup)."""
+        bs, hashes = self.block_size, self._hashes(seq)
+        first, last = num_computed_tokens // bs, (len(seq) - 1) // bs
+        n = 0
+        for i in range(first, min(last, len(hashes))):
+            if hashes[i] not in self.cpu_pool:
+                break
+            n += 1
+        self._lookup[seq.seq_id] = num_computed_tokens
+        return n * bs, self.load_async and n > 0
+
+    def update_state_after_alloc(self, seq: Sequence, block_ids: SequenceABC[int],
+                                 num_external_tokens: int) -> None:
+        """Plan the loads of the tier's blocks into the blocks allocated after the GPU hit."""
+        local = self._lookup.pop(seq.seq_id, 0)
+        self.num_queried_tokens += len(seq) - 1 - local
+        if num_external_tokens == 0:
+            return
+        bs, hashes, pool = self.block_size, self._hashes(seq), self.cpu_pool
+        first = local // bs
+        for i in range(first, first + num_external_tokens // bs):
+            cpu = pool.lookup(hashes[i])
+            if cpu is None:
+                raise RuntimeError(f"seq {seq.seq_id}: block {i} left the CPU tier between "
+                                   "get_num_new_matched_tokens and update_state_after_alloc")
+            pool.touch(hashes[i])
+            self._loads.append((cpu, block_ids[i]))
+        self.num_hit_tokens += num_external_tokens
+        self.num_loaded_blocks += num_external_tokens // bs
+        if self.load_async:
+            self._async_seq_ids.append(seq.seq_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
+        """This step's loads, and a store for each full block the step computes whose hash
+        the tier lacks (evicting its least recently used blocks, never one this step loads
+        from or stores into); resets the per-step state."""
+        bs, pool = self.block_size, self.cpu_pool
+        pinned = {cpu for cpu, _ in self._loads}
+        stores, overwritten, seen = [], [], set()
+        for e in scheduler_output.scheduled:
+            ctx = e.seq.num_computed_tokens                 # before update() advances it
+            hashes = self._hashes(e.seq)
+            for i in range(ctx // bs, (ctx + e.num_tokens) // bs):
+                h = hashes[i]
+                if h in seen:
+                    continue
+                seen.add(h)
+                if h in pool:
+                    pool.touch(h)
+                    continue
+                got = pool.allocate(h, pinned)
+                if got is None:                             # the tier is all pinned
+                    continue
+                cpu, evicted = got
+                pinned.add(cpu)
+                if evicted is not None:
+                    overwritten.append(cpu)
+                stores.append((e.block_ids[i], cpu))
+        self.num_stored_blocks += len(stores)
+        meta = CPUOffloadMetadata(self._loads, self._async_seq_ids, stores, overwritten)
+        self._loads, self._async_seq_ids, self._lookup = [], [], {}
+        return meta
+
+    # --------------------------------------------------------------- worker side
+    def start_load_kv(self, **kwargs: Any) -> None:
+        """Before the forward: copy the CPU blocks this step's stores overwrite that held
+        another prefix, and register their undo with the step's checkpoint (the pool's map is
+        put back by the checkpoint; their contents must follow). The loads themselves run per
+        layer (:meth:`wait_for_layer_load`)."""
+        meta = self._get_connector_metadata()
+        if not meta.cpu_blocks_overwritten or not self._in_step():
+            return
+        idx = torch.tensor(meta.cpu_blocks_overwritten, dtype=torch.int64)
+        saved = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.cpu_caches]
+
+        def put_back() -> None:
+            for (k, v), (ks, vs) in zip(self.cpu_caches, saved, strict=True):
+                k.index_copy_(0, idx, ks)
+                v.index_copy_(0, idx, vs)
+        self.checkpoint.on_rollback(put_back)
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Copy this step's loads of ``layer`` into the GPU cache (synchronous)."""
+        meta = self._get_connector_metadata()
+        if not meta.loads:
+            return
+        gk, gv = self.kv_caches[layer]
+        ck, cv = self.cpu_caches[layer]
+        cpu = torch.tensor([c for c, _ in meta.loads], dtype=torch.int64)
+        gpu = torch.tensor([g for _, g in meta.loads], dtype=torch.int64, device=gk.device)
+        gk.index_copy_(0, gpu, ck.index_select(0, cpu).to(gk.device))
+        gv.index_copy_(0, gpu, cv.index_select(0, cpu).to(gv.device))
+
+    def save_kv_layer(self, layer: int, kv_layer: KVCache, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Copy this step's stores of ``layer`` into the tier (synchronous)."""
+        meta = self._get_connector_metadata()
+        if not meta.stores:
+            return
+        gk, gv = kv_layer
+        ck, cv = self.cpu_caches[layer]
+        gpu = torch.tensor([g for g, _ in meta.stores], dtype=torch.int64, device=gk.device)
+        cpu = torch.tensor([c for _, c in meta.stores], dtype=torch.int64)
+        ck.index_copy_(0, cpu, gk.index_select(0, gpu).cpu())
+        cv.index_copy_(0, cpu, gv.index_select(0, gpu).cpu())
+
+    def wait_for_save(self) -> None:
+        """The saves are done (they are synchronous); the step's asynchronous loads too, to be
+        reported by :meth:`get_finished`."""
+        self._finished_recving.update(self._get_connector_metadata().async_seq_ids)
+
+    def get_finished(self, finished_req_ids: set[int]
+                     ) -> tuple[set[int] | None, set[int] | None]:
+        """Nothing is ever sent late (saves are synchronous); the loads of ``load_async``."""
+        recving, self._finished_recving = self._finished_recving, set()
+        return None, recving or None
+
+    def check_invariants(self) -> None:
+        self.cpu_pool.check_invariants()

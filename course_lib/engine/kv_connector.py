@@ -1,0 +1,147 @@
+"""The KV-connector interface: vLLM V1's ``KVConnectorBase_V1``
+(``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, vLLM 0.33.0), in the course's terms.
+
+A *connector* moves K/V between this engine's paged GPU pool and somewhere else: a CPU tier
+(:mod:`course_lib.engine.cpu_offload`), another engine's pool (prefill/decode
+disaggregation), a remote store. vLLM splits every connector into two roles that run in
+different processes and talk only through a piece of plain data per step:
+
+* **Scheduler side** (``KVConnectorRole.SCHEDULER``), called by the V1 scheduler (its
+  contract is :class:`~course_lib.scheduler.kv_connector.KVConnectorScheduler`, in the scheduler
+  layer, which imports no torch; :class:`KVConnectorBase_V1` extends it):
+
+  1. :meth:`~KVConnectorBase_V1.get_num_new_matched_tokens` once a waiting request's *local*
+     prefix-cache hit is known: how many more tokens the connector can supply, and whether
+     they arrive asynchronously (the request then waits in ``WAITING_FOR_REMOTE_KVS``);
+  2. :meth:`~KVConnectorBase_V1.update_state_after_alloc` once blocks were allocated for
+     them: the connector learns which GPU blocks to fill;
+  3. :meth:`~KVConnectorBase_V1.build_connector_meta` at the end of ``schedule()``: this
+     step's transfers, as plain data, carried by the
+     :class:`~course_lib.scheduler.output.SchedulerOutput` (``kv_connector_metadata``);
+  4. :meth:`~KVConnectorBase_V1.request_finished` when a request finishes, before its
+     blocks are freed: ``True`` keeps them until the worker reports the transfer done.
+
+* **Worker side** (``KVConnectorRole.WORKER``), called by the model runner around the
+  forward: :meth:`~KVConnectorBase_V1.bind_connector_metadata`,
+  :meth:`~KVConnectorBase_V1.start_load_kv`, per layer
+  :meth:`~KVConnectorBase_V1.wait_for_layer_load` (before the layer's attention reads its
+  cache) and :meth:`~KVConnectorBase_V1.save_kv_layer` (after it wrote it),
+  :meth:`~KVConnectorBase_V1.wait_for_save`, and :meth:`~KVConnectorBase_V1.get_finished`
+  (the requests whose asynchronous loads or saves completed), which the engine hands back to
+  the scheduler (``SchedulerV1.update_from_kv_xfer_finished``).
+
+What the course changes, and why:
+
+* **One object plays both roles.** The course runs scheduler and runner in one process, so
+  one connector instance is handed to both (vLLM builds two, one per role, and only the
+  metadata crosses). The discipline is kept: the worker side reads only the metadata bound
+  for the step, never the scheduler side's fields.
+* **Requests are sequences.** vLLM passes a ``Request`` and string request ids; a V1
+  request here is one :class:`~course_lib.sequence.Sequence`, named by its ``seq_id``.
+* **Layers by index.** vLLM names layers (``"model.layers.0.self_attn.attn"``); the course's
+  tiny Llama has a list of layers and one ``(key_cache, value_cache)`` pair per layer, so a
+  layer is its index. vLLM calls ``wait_for_layer_load`` / ``save_kv_layer`` from inside
+  each attention layer (``vllm/model_executor/layers/attention/kv_transfer_utils.py``); the
+  course's model runs its layers inside one call, so
+  :class:`~course_lib.engine.model_runner.ModelRunner` calls every layer's
+  ``wait_for_layer_load`` before the forward and every ``save_kv_layer`` after it: the same
+  contract (a layer's loads land before its attention reads, its saves read what its
+  attention wrote), without the overlap of transfers with compute.
+* **All or nothing.** A connector's bookkeeping is part of the engine step's transaction
+  (``engine/rollback.py``): :meth:`~KVConnectorBase_V1.rollback_parts` lists the objects a
+  step may change (saved when it begins), and :meth:`~KVConnectorBase_V1.attach` hands the
+  connector the step's checkpoint, for what it cannot list (tensor contents it overwrites:
+  it registers their undo). A connector that leaves something out makes a failed step
+  leave it changed: ``tests/test_kv_connector.py`` injects faults to check.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from ..scheduler.kv_connector import KVConnectorScheduler
+from ..scheduler.output import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from ..model.attention import AttentionMetadata
+    from ..model.llama import KVCache
+
+
+class KVConnectorRole(enum.Enum):
+    """Which side of a connector an instance plays (vLLM's enum). The course hands one
+    instance both roles (module docstring)."""
+
+    SCHEDULER = 0
+    WORKER = 1
+
+
+class KVConnectorBase_V1(KVConnectorScheduler):  # noqa: N801  (vLLM's name)
+    """vLLM V1's connector interface (module docstring): the scheduler side
+    (:class:`~course_lib.scheduler.kv_connector.KVConnectorScheduler`: it lives in the
+    scheduler layer, which imports no torch) and the worker side below. Subclasses implement
+    the abstract methods; the defaults are ``base.py``'s (nothing asynchronous or delayed)."""
+
+    __rollback_skip__ = KVConnectorScheduler.__rollback_skip__ + ("kv_caches",)
+
+    def __init__(self, role: KVConnectorRole = KVConnectorRole.SCHEDULER) -> None:
+        super().__init__()
+        self._role = role
+        self._connector_metadata: KVConnectorMetadata | None = None
+        self.kv_caches: list[KVCache] = []
+
+    @property
+    def role(self) -> KVConnectorRole:
+        return self._role
+
+    def register_kv_caches(self, kv_caches: list[KVCache]) -> None:
+        """The runner's paged caches, one ``(key_cache, value_cache)`` per layer (vLLM's
+        ``register_kv_caches``, a dict by layer name there). Called once, by the engine."""
+        self.kv_caches = kv_caches
+
+    # --------------------------------------------------------------- worker side
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, before the forward (vLLM's name)."""
+        self._connector_metadata = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        """After the forward: the metadata is the step's alone."""
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> KVConnectorMetadata:
+        if self._connector_metadata is None:
+            raise RuntimeError("the connector has no metadata bound: the engine binds the "
+                               "step's SchedulerOutput.kv_connector_metadata before the forward")
+        return self._connector_metadata
+
+    def has_connector_metadata(self) -> bool:
+        return self._connector_metadata is not None
+
+    @abstractmethod
+    def start_load_kv(self, **kwargs: Any) -> None:
+        """Start the loads the bound metadata asks for (before the forward)."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Return once ``layer``'s loads are in the paged cache (before its attention)."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer: int, kv_layer: KVCache, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Start saving ``layer``'s blocks the metadata names (after its attention wrote
+        them)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Once per step, after the forward: the saves are submitted; a synchronous
+        connector returns once they are done."""
+
+    def get_finished(self, finished_req_ids: set[int]
+                     ) -> tuple[set[int] | None, set[int] | None]:
+        """(seq ids done sending/saving, seq ids done receiving/loading) since the last call,
+        for the asynchronous transfers: the sending ones among those whose
+        :meth:`request_finished` returned True (``finished_req_ids``: the seqs that finished
+        in this step)."""
+        return None, None
+
