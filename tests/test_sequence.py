@@ -81,7 +81,7 @@ def test_beam_candidates_depend_on_the_beam_tokens():
 
 def test_finish_reasons_are_short_codes():
     S = SequenceStatus
-    assert [s.finish_reason for s in S] == [None, None, None, "stop", "length", "abort",
+    assert [s.finish_reason for s in S] == [None, None, None, None, "stop", "length", "abort",
                                             "ignored", "error"]
     assert all(s.is_finished == (s.finish_reason is not None) for s in S)
 
