@@ -1,4 +1,4 @@
-"""Helpers shared by the block-manager tests."""
+"""Helpers shared by the block-manager, checkpoint and fault tests."""
 
 from __future__ import annotations
 
@@ -105,3 +105,19 @@ def pool_state(manager):
 def tables(manager):
     """Every sequence's block ids."""
     return {s: list(manager.get_block_table(s)) for s in manager.seq_ids()}
+
+
+def load_fault_sites():
+    """``bench/fault_sites.py`` as the module ``fault_sites`` (bench/ stays off sys.path:
+    its scripts' names, engine.py or replay.py, would shadow others); loaded once."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "fault_sites" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "bench" / "fault_sites.py"
+        spec = importlib.util.spec_from_file_location("fault_sites", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fault_sites"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fault_sites"]

@@ -104,23 +104,23 @@ def test_slots_append_only_and_skipped_fields():
     assert k.huge[-1] == 10 and k.small == [1]          # a skipped field is not state
 
 
-def test_touch_many_reads_alike_objects_in_one_pass_and_the_first_save_wins():
+def test_the_first_save_wins():
     blocks = [Slotted(i) for i in range(100)]
     for a, b in zip(blocks, blocks[1:], strict=False):
         a.nxt = b
     c = Checkpoint()
-    c.touch(blocks[5])                      # touched first, then changed, then many
+    c.touch(blocks[5])                      # touched first, then changed, then all
     blocks[5].ref_cnt = 7
-    c.touch_many(blocks)
+    c.touch(*blocks)
     for b in blocks:
         b.ref_cnt, b.nxt = b.ref_cnt + 1, None
     c.touch(blocks[6])                      # already saved: this save is ignored
     c.rollback()
     assert [b.ref_cnt for b in blocks] == [0] * 100
     assert all(a.nxt is b for a, b in zip(blocks, blocks[1:], strict=False))
-    mixed = [SlottedWithList("x", [1]), SlottedWithList("y", [2])]   # containers: one by one
+    mixed = [SlottedWithList("x", [1]), SlottedWithList("y", [2])]   # slots holding lists
     c = Checkpoint()
-    c.touch_many(mixed)
+    c.touch(*mixed)
     mixed[1].blocks.append(3)
     c.rollback()
     assert mixed[1].blocks == [2]
@@ -224,8 +224,7 @@ def rollback_restores(first, second) -> bool:
     mutate(objs, slots, first)
     before = graph_state(objs, slots)
     c = Checkpoint()
-    c.touch(*objs)
-    c.touch_many(slots)
+    c.touch(*objs, *slots)
     mutate(objs, slots, second)
     c.rollback()
     return graph_state(objs, slots) == before
@@ -245,7 +244,9 @@ def test_the_property_trips_on_broken_checkpoints(monkeypatch):
     monkeypatch.setattr(ck, "_Saved", lambda obj: obj)          # a reference, not a copy
     assert not rollback_restores([], ops)
     monkeypatch.undo()
-    monkeypatch.setattr(Checkpoint, "touch_many", lambda self, objs: None)
+    real_touch = Checkpoint.touch
+    monkeypatch.setattr(Checkpoint, "touch", lambda self, *objs: real_touch(
+        self, *(o for o in objs if hasattr(o, "__dict__"))))        # slotted objects skipped
     assert not rollback_restores([], ops)
 
 
@@ -285,8 +286,7 @@ def owned_objects(root) -> list:
 def test_the_parts_a_step_saves_are_everything_the_manager_owns(design, prefix_cache):
     """``engine/rollback.manager_parts`` lists, per design, the objects a step may change:
     after a workload with sharing, preemption and eviction, every object reachable from the
-    manager is among them, and the alike ones hold no container (``touch_many``'s rule).
-    Proven: leaving one kind of object out is reported."""
+    manager is among them. Proven: leaving one kind of object out is reported."""
     from course_lib.config import CacheConfig, SchedulerConfig
     from course_lib.engine.rollback import manager_parts
     from course_lib.scheduler.scheduler import Scheduler
@@ -303,14 +303,12 @@ def test_the_parts_a_step_saves_are_everything_the_manager_owns(design, prefix_c
         out = s.schedule()
         s.update(out, fake_samples(out))
     manager = s.block_manager
-    objects, alike, self_saved = manager_parts(manager)
-    listed = {id(o) for o in objects + alike}
+    objects, self_saved = manager_parts(manager)
+    listed = {id(o) for o in objects}
     missing = [type(o).__name__ for o in owned_objects(manager)
                if id(o) not in listed and not isinstance(o, self_saved)]
     assert not missing, f"objects the step may change but does not save: {missing}"
-    assert all(ck._CONTAINER_TYPES.isdisjoint(map(type, ck._layout(type(o)).get_slots(o)))
-               for o in alike)
-    fewer = {id(o) for o in objects[:-1] + alike}          # the detector: one left out
+    fewer = {id(o) for o in objects[:-1]}                  # the detector: one left out
     assert any(id(o) not in fewer and not isinstance(o, self_saved)
                for o in owned_objects(manager))
 
@@ -392,9 +390,8 @@ def manager_rolls_back(design, first, second, *, attach=True) -> bool:
     if attach:
         begin_manager(c, m)
     else:                                     # the parts, without their own saving
-        objects, alike, _ = manager_parts(m)
+        objects, _ = manager_parts(m)
         c.touch(*objects)
-        c.touch_many(alike)
     play(m, second, dict(live))
     c.rollback()
     m.check_invariants()

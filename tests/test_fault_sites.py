@@ -20,17 +20,15 @@ steps and one-shot faults (one armed at a time).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from memory_helpers import load_fault_sites
 
 from course_lib.checkpoint import Checkpoint
 from course_lib.engine import llm_engine, rollback
@@ -41,20 +39,7 @@ from course_lib.memory.v1.block_pool import FreeKVCacheBlockQueue
 from course_lib.model.loader import load_tiny_model
 from course_lib.sequence import SamplingParams
 
-
-def _load_harness():
-    """``bench/fault_sites.py`` as the module ``fault_sites`` (bench/ stays off sys.path:
-    its scripts' names, engine.py or replay.py, would shadow others)."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "fault_sites.py"
-    if "fault_sites" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fault_sites", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fault_sites"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fault_sites"]
-
-
-fs = _load_harness()
+fs = load_fault_sites()
 
 pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)

@@ -11,12 +11,9 @@ connector rolls the step back exactly (``bench/fault_sites.py``'s harness).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from memory_helpers import load_fault_sites
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.engine.cpu_offload import CPUBlockPool, CPUOffloadConnector, num_offload_blocks
@@ -189,16 +186,6 @@ def test_blocks_a_transfer_reads_are_kept_until_it_is_done(model):
 
 
 # ------------------------------------------------------------------ all or nothing
-def _fault_sites():
-    path = Path(__file__).resolve().parents[1] / "bench" / "fault_sites.py"
-    if "fault_sites" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fault_sites", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fault_sites"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fault_sites"]
-
-
 def offload_workload(fs, design: str, max_tokens: int = 4):
     """The harness's workload, then two new prompts of 9 blocks each, and each again with a
     word more: between a prompt and its return the other evicts it from the 12 GPU blocks,
@@ -224,7 +211,7 @@ def test_a_fault_at_any_call_of_the_connector_rolls_the_step_back(model, monkeyp
     run's. Proven: without the connector's objects in the step's checkpoint, faults break."""
     from course_lib.engine import rollback
 
-    fs = _fault_sites()
+    fs = load_fault_sites()
     monkeypatch.setitem(fs.DESIGNS, "v1 offload", fs.OFFLOAD_DESIGN)
     monkeypatch.setattr(fs, "BASE_WORKLOAD", fs.workload, raising=False)
     monkeypatch.setattr(fs, "workload", lambda d, mt=4: offload_workload(fs, d, mt))

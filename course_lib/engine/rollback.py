@@ -69,31 +69,30 @@ class RollbackFailed(RuntimeError):
 
 
 # ------------------------------------------------------------ what a step may change, by design
-def manager_parts(manager: object) -> tuple[list[object], list[object], tuple[type, ...]]:
+def manager_parts(manager: object) -> tuple[list[object], tuple[type, ...]]:
     """The objects of a KV-cache manager a step may change, by design: (objects saved when
-    the step begins, alike objects saved at begin in one pass (``Checkpoint.touch_many``),
-    classes whose objects the manager saves itself just before it first changes them). A
+    the step begins, classes whose objects the manager saves itself just before it first
+    changes them). A
     field a class gains is saved without a change here; a new *object* a manager comes to own
     must be listed here (``tests/test_checkpoint.py`` checks it)."""
     if isinstance(manager, BlockManager):        # V0 (and its twin, FastBlockManager)
         parts = [manager, manager.gpu, manager.cpu]
         if manager.cache is not None:
             parts.append(manager.cache)
-        return parts + [manager.get_table(s) for s in manager.seq_ids()], [], ()
+        return parts + [manager.get_table(s) for s in manager.seq_ids()], ()
     if isinstance(manager, KVCacheManager):      # vLLM V1: the pool saves the blocks it changes
         pool = manager.block_pool
-        return [manager, pool, pool.free_block_queue], [], (KVCacheBlock,)
+        return [manager, pool, pool.free_block_queue], (KVCacheBlock,)
     if isinstance(manager, RadixKVCacheManager):  # SGLang: the tree saves the nodes it changes
-        return [manager, manager.pool, manager.tree], [], (TreeNode,)
+        return [manager, manager.pool, manager.tree], (TreeNode,)
     raise TypeError(f"no rollback parts known for a {type(manager).__name__}")
 
 
 def begin_manager(checkpoint: Checkpoint, manager: object) -> None:
     """Save what a step may change in ``manager`` (:func:`manager_parts`) into ``checkpoint``,
     and hand the checkpoint to the parts that save what they change themselves."""
-    objects, alike, _ = manager_parts(manager)
+    objects, _ = manager_parts(manager)
     checkpoint.touch(*objects)
-    checkpoint.touch_many(alike)
     if isinstance(manager, KVCacheManager):
         manager.block_pool.attach(checkpoint)
     elif isinstance(manager, RadixKVCacheManager):
