@@ -62,3 +62,15 @@ def test_prefix_caches_bench_runs_quick():
     out = subprocess.run([sys.executable, "bench/prefix_caches.py", "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert out.count("SGLang radix, page 16") == 4 and out.count("vLLM V1 (sha256 chain)") == 4
+
+
+def test_offload_bench_runs_quick():
+    """Both workloads, three configurations each, the sweep; the tier's and V0's tokens are
+    the no-offload run's (greedy and seeded) at every size."""
+    out = subprocess.run([sys.executable, "bench/offload.py", "--quick"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "== multi-turn chat:" in out and "== RAG-like:" in out, out
+    for config in ("V1, no offload", "V1 + CPU tier", "V0 + swap"):
+        assert out.count(f"  {config} ") == 2, out
+    assert out.count("yes, yes") == 4 and out.count("(holds everything)") == 2, out
+    assert " NO" not in out, out
