@@ -221,6 +221,9 @@ class Sequence:
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
     output_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # top-k each
+    # a KV connector's parameters for it (vLLM's Request.kv_transfer_params: a V1 request is
+    # one sequence), read by the connector's scheduler side; None without a connector
+    kv_transfer_params: dict | None = None
 
     # a step only appends to these: a failed step's checkpoint saves their lengths
     # (course_lib/checkpoint.py), not their items
@@ -274,6 +277,7 @@ class Request:
     cache_salt: str | None = None        # prefix-cache namespace: only equal salts share
     num_preemptions: int = 0
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache (first time)
+    kv_transfer_output: dict | None = None   # what the KV connector returned when it finished
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = token_ids_or_error(self.prompt_token_ids,

@@ -32,7 +32,9 @@ LAYERS: list[set[str]] = [
     {"scheduler"},                          # batching, preemption, output processing, metrics
     {"sim", "kernels"},                     # model-free simulation | torch / Triton kernels
     {"model"},                              # the tiny Llama over the kernels
-    {"engine", "parallel", "claims"},       # serving engine | context parallelism | numbers
+    {"engine", "claims"},                   # serving engine | numbers
+    {"parallel"},                           # engines and ranks on processes: context
+                                            # parallelism, prefill/decode disaggregation
     {"viz"},                                # drawings and widgets
     {"exercises"},                          # checkers for the chapters' exercises
     {"__main__"},                           # the command line

@@ -145,3 +145,9 @@ class KVConnectorBase_V1(KVConnectorScheduler):  # noqa: N801  (vLLM's name)
         in this step)."""
         return None, None
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks whose asynchronous load failed since the last call (vLLM's name): the
+        scheduler computes their tokens again (``SchedulerV1.update_from_kv_xfer_finished``).
+        Called once per step, after :meth:`get_finished`."""
+        return set()
+

@@ -201,7 +201,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: int | None = None, arrival_time: float | None = None, *,
-                    cache_salt: str | None = None) -> int:
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None
+                    ) -> int:
         """Queue a prompt (text is encoded with BOS, or token ids as given); returns its id.
 
         Everything is checked before anything is queued (``ValueError`` naming the bad value):
@@ -209,16 +210,22 @@ class LLMEngine:
         values), a new int ``request_id``, a finite ``arrival_time``. ``cache_salt`` (vLLM's
         name) gives the request its own prefix-cache namespace: only requests with an equal
         salt share cached blocks, so one tenant cannot learn another's prompts from
-        ``num_cached_tokens``."""
+        ``num_cached_tokens``. ``kv_transfer_params`` (vLLM's name, V1 with a KV connector
+        only): the connector's parameters for this request, e.g. a prefill/decode
+        disaggregation's ``do_remote_decode`` (:mod:`course_lib.engine.p2p_connector`)."""
         with self._lock:                      # not while a step runs (another thread)
             ids = self._check_prompt(prompt)
             params = request_params(params, self.stop_token_ids)
             if request_id is None:
                 request_id = self._next_request_id
             check_request_id(request_id, self._requests)
+            extra = {} if kv_transfer_params is None else \
+                {"kv_transfer_params": kv_transfer_params}
+            if extra and self.design != "v1":
+                raise ValueError("kv_transfer_params need design='v1' with a KV connector")
             req = self.scheduler.add_request(
                 request_id, ids, params, self.now() if arrival_time is None else arrival_time,
-                cache_salt)
+                cache_salt, **extra)
             self._next_request_id = max(self._next_request_id, request_id + 1)
             self._requests[request_id] = req
             self._seeds[request_id] = params.seed if params.seed is not None \
@@ -315,8 +322,10 @@ class LLMEngine:
         now = self.now()
         finished = sched.update(out, samples, now)
         if self.kv_connector is not None:          # the worker side's finished transfers
-            sched.update_from_kv_xfer_finished(*self.kv_connector.get_finished(
-                {s.seq_id for r in finished for s in r.seqs}))
+            conn = self.kv_connector
+            sched.update_from_kv_xfer_finished(
+                *conn.get_finished({s.seq_id for r in finished for s in r.seqs}),
+                conn.get_block_ids_with_load_errors())
         attach_logprobs(out, tops)
         outputs = [request_output(r, self.tokenizer) for r in finished]
         self.metrics.update(sched)                  # held until the commit below

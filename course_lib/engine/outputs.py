@@ -37,6 +37,9 @@ class RequestOutput:
     latency: float | None     # arrival -> finished
     finish_reason: str | None = None   # the request's code (see CompletionOutput)
     finish_detail: str | None = None   # why it was aborted or ignored, in a sentence
+    # the KV connector's parameters for whoever continues the request (vLLM's
+    # RequestOutput.kv_transfer_params: a prefill engine's remote_block_ids, ...); or None
+    kv_transfer_params: dict | None = None
 
     @property
     def text(self) -> str:
@@ -59,4 +62,4 @@ def request_output(req: Request, tokenizer: ByteTokenizer) -> RequestOutput:
     latency = None if req.finished_time is None else req.finished_time - req.arrival_time
     return RequestOutput(req.request_id, list(req.prompt_token_ids), outs,
                          req.num_cached_tokens, req.num_preemptions, ttft, latency,
-                         req.finish_reason, req.finish_detail)
+                         req.finish_reason, req.finish_detail, req.kv_transfer_output)

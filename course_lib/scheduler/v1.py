@@ -120,11 +120,21 @@ class SchedulerV1:
 
     def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
                     sampling_params: SamplingParams | None = None,
-                    arrival_time: float = 0.0, cache_salt: str | None = None) -> Request:
+                    arrival_time: float = 0.0, cache_salt: str | None = None,
+                    kv_transfer_params: dict | None = None) -> Request:
         """Queue a request as ``n`` child sequences (``ValueError`` changes nothing; a prompt
-        too long for the model is refused here, see :meth:`check_prompt_len`)."""
+        too long for the model is refused here, see :meth:`check_prompt_len`).
+        ``kv_transfer_params``: the KV connector's parameters for this request (vLLM's
+        ``Request.kv_transfer_params``), for a request of one sequence."""
         params = sampling_params or SamplingParams()
         self.check_prompt_len(len(prompt_token_ids))
+        if kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params were given but the engine has no KV "
+                                 "connector: pass kv_connector=... to the engine")
+            if not isinstance(kv_transfer_params, dict) or params.n != 1:
+                raise ValueError("kv_transfer_params must be a dict, for a request with n=1 "
+                                 f"(got {type(kv_transfer_params).__name__}, n={params.n})")
         if params.use_beam_search:
             raise ValueError("the V1 core runs no beam search (vLLM runs it outside, as "
                              "LLM.beam_search): use course_lib.engine.beam_search.beam_search, "
@@ -133,6 +143,7 @@ class SchedulerV1:
                       cache_salt=cache_salt)
         for index in range(params.n):
             seq = Sequence(self._next_seq_id + index, req.prompt_token_ids, index)
+            seq.kv_transfer_params = kv_transfer_params
             req.seqs.append(seq)
             self.requests[seq.seq_id] = req
             self.waiting.append(seq)
@@ -269,8 +280,11 @@ class SchedulerV1:
                 break
             num_new = min(num_new, budget)
             # the watermark holds only while some request runs (vLLM's has_scheduled_reqs)
+            # K/V loaded between steps: its blocks enter the cache once loaded (a connector
+            # needs V1's KVCacheManager, whose allocate_slots takes delay_cache_blocks)
+            delay = {"delay_cache_blocks": True} if load_async else {}
             ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_external + num_new,
-                                     hits, admission=bool(self.running))
+                                     hits, admission=bool(self.running), **delay)
             if ids is None:
                 break
             self.waiting.pop_front()
@@ -309,21 +323,42 @@ class SchedulerV1:
 
     # ------------------------------------------------------------------ the KV connector
     def update_from_kv_xfer_finished(self, finished_sending: set[int] | None,
-                                     finished_recving: set[int] | None) -> None:
+                                     finished_recving: set[int] | None,
+                                     invalid_block_ids: set[int] | None = None) -> None:
         """The worker side's ``get_finished``, after a step (vLLM's
         ``_update_from_kv_xfer_finished``): the blocks of sequences done sending are freed
-        now; sequences done receiving run from the next ``schedule()``."""
+        now; sequences done receiving run from the next ``schedule()``.
+        ``invalid_block_ids``: blocks whose load failed (the connector's
+        ``get_block_ids_with_load_errors``): a sequence holding one computes again from its
+        first such block (vLLM's ``_update_requests_with_invalid_blocks``, policy
+        ``recompute``)."""
         for seq_id in finished_sending or ():
             self.kv_cache_manager.free_delayed(seq_id)
+        if invalid_block_ids:
+            self._recompute_invalid_blocks(invalid_block_ids)
         if finished_recving:
             self.finished_recving_kv_req_ids |= finished_recving
 
+    def _recompute_invalid_blocks(self, invalid_block_ids: set[int]) -> None:
+        """Each waiting-for-remote sequence holding a block whose load failed keeps only the
+        tokens before that block as computed; the rest are computed again when it runs."""
+        bs, kvm = self.cache_config.block_size, self.kv_cache_manager
+        for seq in self.waiting_for_remote:
+            ids = kvm.req_to_block_ids[seq.seq_id]
+            bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), None)
+            if bad is not None and bad * bs < seq.num_computed_tokens:
+                self.save_request(self.requests[seq.seq_id])
+                seq.num_computed_tokens = bad * bs
+
     def _update_waiting_for_remote_kv(self) -> None:
-        """Sequences whose external K/V arrived run now (their computed tokens were set at
-        admission; the running loop gives them their remaining tokens)."""
-        done = self.finished_recving_kv_req_ids
+        """Sequences whose external K/V arrived run now: the blocks that arrived enter the
+        prefix cache (``allocate_slots`` delayed it: they held nothing yet), and their computed
+        tokens stay as set at admission, or as a failed load cut them back; the running loop
+        gives them their remaining tokens."""
+        done, kvm = self.finished_recving_kv_req_ids, self.kv_cache_manager
         for seq in [s for s in self.waiting_for_remote if s.seq_id in done]:
             self.save_request(self.requests[seq.seq_id])
+            kvm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self.waiting_for_remote.remove(seq)
             seq.status = S.RUNNING
             self.running.append(seq)
@@ -337,7 +372,10 @@ class SchedulerV1:
         seq = next((s for s in req.seqs if s.seq_id == seq_id), None) if req else None
         if seq is None or not seq.status.is_finished:
             return False
-        delay, _ = self.kv_connector.request_finished(seq, block_ids)
+        delay, params = self.kv_connector.request_finished(seq, block_ids)
+        if params is not None:                  # for the request's output (vLLM's too)
+            self.save_request(req)
+            req.kv_transfer_output = params
         return delay
 
     def _cache_computed(self, e: ScheduledSeq) -> None:

@@ -126,13 +126,17 @@ class KVCacheManager(V1ManagerBase):
     # -------------------------------------------------------------------- allocate
     def allocate_slots(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
                        num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = (),
-                       admission: bool = False) -> list[int] | None:
+                       admission: bool = False, delay_cache_blocks: bool = False
+                       ) -> list[int] | None:
         """Room for ``num_new_tokens`` more tokens after ``num_computed_tokens`` (plus the
         ``new_computed_blocks`` of a prefix hit, for a sequence being admitted). Returns the
         sequence's block ids, or None if the pool is short (nothing changes). Full blocks of
         the tokens this step computes enter the prefix cache now (see the module docstring).
         ``admission``: a waiting or preempted sequence while some request is running, held to
         the watermark (vLLM's ``has_scheduled_reqs`` and status test: module docstring).
+        ``delay_cache_blocks`` (vLLM's name): the tokens are a KV connector's to load between
+        steps, so their blocks hold nothing yet and must not be hit by another request; they
+        enter the cache once the load is done (:meth:`cache_blocks`).
 
         The list returned is the sequence's own, not a copy: it grows in place as blocks are
         added (read it before the next call for this sequence, or copy it). Its cost does not
@@ -162,14 +166,26 @@ class KVCacheManager(V1ManagerBase):
             req_blocks.extend(new_blocks)
             block_ids.extend(b.block_id for b in new_blocks)
         self.num_slots[seq_id] = total
-        if self.enable_caching:                  # cache_blocks: only the blocks now full
-            num_full = total // bs
-            num_cached = self.num_cached_block.get(seq_id, 0)
-            if num_full > num_cached:
-                pool.cache_full_blocks(req_blocks, self._hashes(seq_id, token_ids, num_full),
-                                       num_cached, num_full)
-            self.num_cached_block[seq_id] = num_full
+        if not delay_cache_blocks:
+            self.cache_blocks(seq_id, token_ids, total)
         return block_ids
+
+    def cache_blocks(self, seq_id: int, token_ids: list[int], num_tokens: int) -> None:
+        """Enter the sequence's blocks that ``num_tokens`` fill into the prefix cache, from
+        the first not cached yet (vLLM's ``cache_blocks``). :meth:`allocate_slots` calls it
+        for the tokens it makes room for; the scheduler calls it for tokens a connector loaded
+        (``delay_cache_blocks``) once the load is done, for as many as arrived intact."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, self.num_slots[seq_id]) // self.block_size
+        num_cached = self.num_cached_block.get(seq_id, 0)
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(self.req_to_blocks[seq_id],
+                                              self._hashes(seq_id, token_ids, num_full),
+                                              num_cached, num_full)
+            self.num_cached_block[seq_id] = num_full
+        else:
+            self.num_cached_block.setdefault(seq_id, num_cached)
 
     def free(self, seq_id: int) -> None:
         """Give the sequence's blocks back, tail first: the end of a chain is evicted before

@@ -1,0 +1,494 @@
+"""Prefill/decode disaggregation on real processes: ``x`` prefill engines and ``y`` decode
+engines (``xPyD``), each a process with its own model, block pool and KV cache, joined by
+``torch.distributed`` (gloo on CPUs), and a proxy in the caller's process that routes requests.
+
+It is vLLM's disaggregated serving in miniature (vLLM 0.33.0's proxy examples under
+``examples/online_serving/disaggregated_serving/`` and the NIXL connector's protocol, which
+:mod:`course_lib.engine.p2p_connector` follows):
+
+* the proxy sends a request to a prefill engine with ``max_tokens=1`` and
+  ``kv_transfer_params={"do_remote_decode": True}``;
+* the prefill engine's output carries ``kv_transfer_params`` (where its blocks wait); the proxy
+  sends the original request, with them, to a decode engine;
+* the decode engine pulls the blocks over ``torch.distributed``, computes the prompt's last
+  token and decodes; its output is the request's.
+
+Control travels on ``multiprocessing`` pipes (vLLM's proxy speaks HTTP to the engines); the K/V
+travels only between the engines. Processes are started as :mod:`course_lib.parallel.launch`
+starts ranks (``spawn``, a watchdog that kills a process whose parent is gone, and their whole
+process groups killed on :meth:`DisaggCluster.close`): no orphans, whatever happens.
+
+Faults: an engine process that dies is noticed by the proxy (its pipe closes). A request it
+was serving is sent again, from its prompt, to a live engine of the same role (a decode engine
+asked for blocks its prefill engine no longer holds computes them itself: the request is
+recomputed), or fails alone (``finish_reason="error"``) when no engine of that role is left.
+The survivors free what they held for it (:mod:`course_lib.engine.p2p_connector`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import wait
+from typing import Any
+
+from ..config import CacheConfig, SchedulerConfig
+from ..engine.outputs import RequestOutput
+from ..sequence import SamplingParams
+from .launch import _die_with_parent, _kill_group, free_port
+
+ROLES = ("kv_producer", "kv_consumer")
+
+
+@dataclass
+class EngineSpec:
+    """What one engine process runs: its role and rank, its configs, its model dtype, and an
+    optional fault (``exit_after_layers``: it exits once its first transfer moved that many
+    layers, :class:`~course_lib.engine.p2p_connector.P2PConnector`)."""
+
+    rank: int
+    kv_role: str
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig | None     # None: the engine's default
+    dtype: str = "float32"
+    attn_impl: str = "auto"
+    exit_after_layers: int | None = None
+    abort_timeout_s: float = 120.0
+
+
+@dataclass
+class Hop:
+    """One moment of a request's path: when (seconds since the cluster started, one clock
+    for all processes: ``time.monotonic``), where (``"proxy"``, ``"prefill 0"``, ...) and
+    what."""
+
+    t: float
+    where: str
+    what: str
+
+
+@dataclass
+class _Route:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    prefill: int | None = None
+    decode: int | None = None
+    kv_transfer_params: dict | None = None
+    pause: bool = False              # wait for resume() before the decode engine
+    prefilled: bool = False
+    hops: list[Hop] = field(default_factory=list)
+
+
+class EngineDied(RuntimeError):
+    """An engine process ended without being asked to (the message says which and how)."""
+
+
+def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port: int,
+                 conn: Any, parent_pid: int, timeout_s: float) -> None:
+    """Body of one engine process: join the world, build the engine and its connector, meet
+    the peers, then serve the proxy's messages and step while there is work."""
+    _die_with_parent(parent_pid)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from ..engine.llm_engine import LLMEngine
+        from ..engine.p2p_connector import P2PConnector
+        from ..model.loader import load_tiny_model
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=spec.rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        model = load_tiny_model(dtype=getattr(torch, spec.dtype))
+        connector = P2PConnector(spec.kv_role, spec.rank,
+                                 abort_timeout_s=spec.abort_timeout_s,
+                                 exit_after_layers=spec.exit_after_layers)
+        engine = LLMEngine(model, spec.scheduler_config, spec.cache_config,
+                           attn_impl=spec.attn_impl, design="v1", kv_connector=connector)
+        connector.connect(roles)
+        conn.send(("ready", spec.rank))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        os._exit(1)
+    seq_of: dict[int, int] = {}          # seq id -> request id, for the events
+    num_events = 0
+    while True:
+        while conn.poll():
+            msg = conn.recv()
+            if msg[0] == "add":
+                _, rid, prompt, params, kv_params = msg
+                try:
+                    engine.add_request(prompt, params, request_id=rid,
+                                       kv_transfer_params=kv_params)
+                    seq_of[engine._requests[rid].seqs[0].seq_id] = rid
+                except Exception as exc:               # a bad request fails alone
+                    conn.send(("rejected", rid, f"{type(exc).__name__}: {exc}"))
+            elif msg[0] == "release":
+                connector.release(msg[1])
+            elif msg[0] == "stats":
+                conn.send(("stats", _stats(engine, connector)))
+            elif msg[0] == "close":
+                conn.send(("closed", spec.rank))
+                os._exit(0)
+        connector.serve_transfers()
+        events = connector.events[num_events:]
+        if events:
+            num_events = len(connector.events)
+            conn.send(("events", [(t, what, seq_of.get(s, -1)) for t, what, s in events]))
+        if engine.has_unfinished_requests() or connector.busy():
+            for out in engine.step():
+                conn.send(("output", out, time.monotonic()))
+            if not engine.last_output or not engine.last_output.scheduled:
+                time.sleep(0.002)                 # only transfers to watch: do not spin
+        else:
+            conn.poll(0.01)
+
+
+def _stats(engine: Any, connector: Any) -> dict[str, Any]:
+    kvm = engine.scheduler.kv_cache_manager
+    engine.check_invariants()
+    return {"num_gpu_blocks": kvm.num_gpu_blocks, "num_free_blocks": kvm.num_free_gpu_blocks,
+            "num_held_requests": connector.num_held_requests,
+            "num_delayed_frees": len(kvm.delayed_frees),
+            "num_sent_blocks": connector.num_sent_blocks,
+            "num_recv_blocks": connector.num_recv_blocks,
+            "num_failed_sends": connector.num_failed_sends,
+            "num_failed_recvs": connector.num_failed_recvs,
+            "num_aborted": connector.num_aborted,
+            "num_unfinished": int(engine.has_unfinished_requests())}
+
+
+class DisaggCluster:
+    """``num_prefill`` prefill engines and ``num_decode`` decode engines on their own
+    processes (module docstring), and the proxy that routes requests among them.
+
+    ``overrides``: rank -> fields of :class:`EngineSpec` to change for that engine (a
+    ``block_size`` there changes its ``cache_config``): to build mismatched engines, or a
+    fault (``exit_after_layers``). Prefill engines are ranks ``0 .. num_prefill - 1``.
+    ``timeout_s``: how long starting, and each :meth:`generate`, may take.
+
+    Use it as a context manager (``with DisaggCluster(1, 1) as c: c.generate(...)``), or call
+    :meth:`close`."""
+
+    def __init__(self, num_prefill: int = 1, num_decode: int = 1, *,
+                 cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, attn_impl: str = "auto",
+                 overrides: dict[int, dict[str, Any]] | None = None,
+                 timeout_s: float = 120.0) -> None:
+        for name, n in (("num_prefill", num_prefill), ("num_decode", num_decode)):
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4:
+                raise ValueError(f"{name} must be an int in 1..4 (processes on this machine), "
+                                 f"got {n!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256,
+                                                   enable_prefix_caching=True)
+        if not cache_config.enable_prefix_caching or cache_config.prefix_cache != "hash":
+            raise ValueError("disaggregation runs V1's KVCacheManager: give a CacheConfig with "
+                             "enable_prefix_caching=True and prefix_cache='hash'")
+        world = num_prefill + num_decode
+        overrides = overrides or {}
+        bad = [r for r in overrides if not (isinstance(r, int) and 0 <= r < world)]
+        if bad:
+            raise ValueError(f"overrides name ranks {bad}; the ranks are 0..{world - 1}")
+        self.specs = []
+        for rank in range(world):
+            spec = EngineSpec(rank, ROLES[rank >= num_prefill], cache_config,
+                              scheduler_config, attn_impl=attn_impl)
+            fields = dict(overrides.get(rank, {}))
+            if "block_size" in fields:
+                spec.cache_config = replace(cache_config, block_size=fields.pop("block_size"))
+            self.specs.append(replace(spec, **fields))
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.timeout_s = timeout_s
+        self.roles = {s.rank: s.kv_role for s in self.specs}
+        self.prefill_ranks = list(range(num_prefill))
+        self.decode_ranks = list(range(num_prefill, world))
+        self.dead: dict[int, str] = {}
+        self.routes: dict[int, _Route] = {}
+        self._results: dict[int, RequestOutput] = {}
+        self._next_id = 0
+        self._rr = {"kv_producer": 0, "kv_consumer": 0}
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._t0 = time.monotonic()
+        self._start()
+
+    # ---------------------------------------------------------------- processes
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        try:
+            for spec in self.specs:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_engine_main, daemon=True,
+                                   name=f"{spec.kv_role}-{spec.rank}",
+                                   args=(spec, len(self.specs), self.roles, port, child,
+                                         os.getpid(), self.timeout_s))
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            deadline = time.monotonic() + self.timeout_s
+            ready: set[int] = set()
+            errors: list[str] = []
+            while len(ready) + len(errors) < len(self.specs):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"engines {sorted(set(range(len(self.specs))) - ready)} "
+                                       f"did not start within {self.timeout_s} s")
+                for c in wait(self._conns, timeout=min(left, 0.5)):
+                    rank = self._conns.index(c)
+                    try:
+                        msg = c.recv()
+                    except (EOFError, OSError):
+                        errors.append(f"rank {rank} exited while starting "
+                                      f"(code {self._procs[rank].exitcode})")
+                        continue
+                    if msg[0] == "ready":
+                        ready.add(rank)
+                    else:
+                        errors.append(f"rank {rank}: {msg[1]}")
+                if errors:
+                    break
+            if errors:
+                first = min(errors, key=lambda e: "ValueError" not in e)   # the cause first
+                raise ValueError(first.split("\nTraceback")[0]) if "ValueError" in first \
+                    else EngineDied(first)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop every engine process and its process group (idempotent)."""
+        for rank, c in enumerate(self._conns):
+            if rank not in self.dead:
+                try:
+                    c.send(("close",))
+                except (OSError, ValueError):
+                    pass
+        end = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        for p in self._procs:
+            _kill_group(p)
+            p.join(timeout=1)
+        for c in self._conns:
+            c.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> DisaggCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def alive(self) -> list[int]:
+        return [r for r, p in enumerate(self._procs) if p.is_alive() and r not in self.dead]
+
+    # ------------------------------------------------------------------ requests
+    def _pick(self, role: str) -> int | None:
+        ranks = [r for r in (self.prefill_ranks if role == ROLES[0] else self.decode_ranks)
+                 if r not in self.dead]
+        if not ranks:
+            return None
+        i = self._rr[role] % len(ranks)
+        self._rr[role] += 1
+        return ranks[i]
+
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _hop(self, route: _Route, where: str, what: str, t: float | None = None) -> None:
+        route.hops.append(Hop(self._now() if t is None else t - self._t0, where, what))
+
+    def _where(self, rank: int) -> str:
+        return (f"prefill {rank}" if rank in self.prefill_ranks
+                else f"decode {rank - self.num_prefill}")
+
+    def _send_prefill(self, route: _Route) -> bool:
+        rank = self._pick(ROLES[0])
+        if rank is None:
+            return False
+        route.prefill, route.decode = rank, None
+        one = route.params.max_tokens == 1          # nothing to decode elsewhere
+        params = route.params if one else replace(route.params, max_tokens=1)
+        self._conns[rank].send(("add", route.request_id, route.prompt, params,
+                                None if one else {"do_remote_decode": True}))
+        self._hop(route, "proxy", f"sent to {self._where(rank)}")
+        return True
+
+    def _send_decode(self, route: _Route) -> bool:
+        rank = self._pick(ROLES[1])
+        if rank is None:
+            return False
+        route.decode = rank
+        self._conns[rank].send(("add", route.request_id, route.prompt, route.params,
+                                route.kv_transfer_params))
+        self._hop(route, "proxy", f"sent to {self._where(rank)}")
+        return True
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
+               pause_after_prefill: bool = False) -> int:
+        """Send one prompt (token ids) to a prefill engine; its request id. With
+        ``pause_after_prefill`` the proxy keeps the prefill engine's answer until
+        :meth:`resume` (to look at the cluster while the blocks wait)."""
+        params = params or SamplingParams()
+        if params.n != 1 or params.use_beam_search:
+            raise ValueError("disaggregated requests have n=1 and no beam search, got "
+                             f"n={params.n}, use_beam_search={params.use_beam_search}")
+        route = _Route(self._next_id, list(prompt), params, pause=pause_after_prefill)
+        self._next_id += 1
+        self.routes[route.request_id] = route
+        if not self._send_prefill(route):
+            self._results[route.request_id] = self._failed(route, "no prefill engine is alive")
+        return route.request_id
+
+    def resume(self, request_id: int) -> None:
+        """Send a request paused after its prefill on to a decode engine."""
+        route = self.routes[request_id]
+        if not route.pause:
+            raise ValueError(f"request {request_id} was not paused")
+        route.pause = False
+        if route.prefilled and request_id not in self._results:
+            self._forward(route)
+
+    def wait(self, request_ids: Sequence[int], *, prefilled: bool = False
+             ) -> list[RequestOutput | None]:
+        """Serve the engines' messages until the requests finished (or, with ``prefilled``,
+        until their prefill finished: None for those); their outputs in order."""
+        def ready(rid: int) -> bool:
+            return rid in self._results or (prefilled and self.routes[rid].prefilled)
+        deadline = time.monotonic() + self.timeout_s
+        while not all(ready(r) for r in request_ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests {[r for r in request_ids if not ready(r)]} did "
+                                   f"not finish within {self.timeout_s} s")
+            self._pump(0.5)
+        return [self._results.get(r) for r in request_ids]
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run the prompts (token ids) through the cluster; their outputs in order. A request
+        whose engines died is retried on live ones, or fails alone (module docstring)."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        return self.wait(ids)
+
+    def _pump(self, timeout: float) -> None:
+        live = [c for r, c in enumerate(self._conns) if r not in self.dead]
+        for c in wait(live, timeout=timeout):
+            rank = self._conns.index(c)
+            try:
+                msg = c.recv()
+            except (EOFError, OSError):
+                self._engine_died(rank)
+                continue
+            self._handle(rank, msg)
+        for rank in [r for r, p in enumerate(self._procs)
+                     if r not in self.dead and not p.is_alive()]:
+            self._engine_died(rank)
+
+    def _handle(self, rank: int, msg: tuple) -> None:
+        results = self._results
+        kind = msg[0]
+        if kind == "events":
+            for t, what, rid in msg[1]:
+                if rid in self.routes:
+                    self._hop(self.routes[rid], self._where(rank), what, t)
+        elif kind == "rejected":
+            _, rid, why = msg
+            results[rid] = self._failed(self.routes[rid], f"{self._where(rank)}: {why}")
+        elif kind == "output":
+            _, out, t = msg
+            route = self.routes[out.request_id]
+            if rank in self.prefill_ranks and route.decode is None:
+                self._hop(route, self._where(rank), "prefill done, first token sampled", t)
+                route.prefilled = True
+                if out.kv_transfer_params is None:       # it ended there (stop, or 1 token)
+                    results[out.request_id] = out
+                    return
+                route.kv_transfer_params = out.kv_transfer_params
+                if not route.pause:
+                    self._forward(route)
+            else:
+                self._hop(route, self._where(rank), "finished", t)
+                results[out.request_id] = out
+
+    def _forward(self, route: _Route) -> None:
+        if not self._send_decode(route):
+            self._results[route.request_id] = self._failed(route, "no decode engine is alive")
+
+    def _engine_died(self, rank: int) -> None:
+        proc, results = self._procs[rank], self._results
+        proc.join(timeout=1)
+        self.dead[rank] = f"{self._where(rank)} (rank {rank}) died, exit code {proc.exitcode}"
+        for route in self.routes.values():
+            if route.request_id in results:
+                continue
+            if route.decode == rank:        # again on another decode engine: it recomputes
+                self._hop(route, "proxy", self.dead[rank])
+                if not self._send_decode(route):
+                    results[route.request_id] = self._failed(route, self.dead[rank] +
+                                                             "; no decode engine is left")
+            elif route.prefill == rank and route.decode is None:
+                self._hop(route, "proxy", self.dead[rank])
+                route.prefilled = False
+                if not self._send_prefill(route):
+                    results[route.request_id] = self._failed(route, self.dead[rank] +
+                                                             "; no prefill engine is left")
+
+    def _failed(self, route: _Route, why: str) -> RequestOutput:
+        """The request fails alone; a prefill engine still holding its blocks lets them go."""
+        self._hop(route, "proxy", "failed: " + why)
+        params = route.kv_transfer_params
+        if params is not None and route.prefill not in self.dead:
+            self._conns[route.prefill].send(("release", [params["remote_request_id"]]))
+        return RequestOutput(route.request_id, route.prompt, [], 0, 0, None, None,
+                             finish_reason="error", finish_detail=why)
+
+    # -------------------------------------------------------------------- inspect
+    def stats(self) -> dict[int, dict[str, Any]]:
+        """Per live engine: its pool (blocks, free), what its connector holds and moved. Each
+        engine checks its invariants first (an error there is raised here)."""
+        out = {}
+        for rank in self.alive():
+            self._conns[rank].send(("stats",))
+        for rank in self.alive():
+            deadline = time.monotonic() + self.timeout_s
+            while rank not in out:
+                if not self._conns[rank].poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"{self._where(rank)} did not answer")
+                msg = self._conns[rank].recv()
+                if msg[0] == "stats":
+                    out[rank] = msg[1]
+                else:
+                    self._handle(rank, msg)
+        return out
+
+    def settle(self, timeout_s: float = 10.0) -> dict[int, dict[str, Any]]:
+        """Wait until no live engine holds blocks for a transfer or has work; their stats."""
+        end = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            if all(s["num_delayed_frees"] == 0 and s["num_unfinished"] == 0
+                   for s in stats.values()) or time.monotonic() > end:
+                return stats
+            time.sleep(0.05)
+
+    def timeline(self, request_id: int) -> list[Hop]:
+        """The request's path across the processes, in time order."""
+        return sorted(self.routes[request_id].hops, key=lambda h: h.t)
