@@ -74,3 +74,16 @@ def test_offload_bench_runs_quick():
         assert out.count(f"  {config} ") == 2, out
     assert out.count("yes, yes") == 4 and out.count("(holds everything)") == 2, out
     assert " NO" not in out, out
+
+
+def test_disagg_bench_runs_quick():
+    """Both workloads, the four deployments each, DistServe's goodput, the capacity table and
+    the capped decode nodes."""
+    out = subprocess.run([sys.executable, "bench/disagg.py", "--quick"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert out.count(", 6.0 req/s:") == 1 and out.count(", 30.0 req/s:") == 1, out
+    for row in ("colocated x4 ", "1P3D ", "2P2D ", "3P1D "):
+        assert out.count(f"  {row}") >= 2, out
+    assert out.count("/GPU)") == 4, out                  # two deployments per workload
+    assert out.count("  Llama-2-7B ") == 2 and out.count("  Llama-3-8B ") == 2, out
+    assert "1P3D static" in out, out

@@ -5,6 +5,9 @@
   configuration the row recommends. :func:`run_row` replays both and reports the signals a
   person would read off the metrics (``symptoms``). The traces are chosen to show the
   symptom; the numbers are what our cost model gives for them, not measurements of a GPU.
+  The "high TTFT + normal ITL" row's other remedy, prefill/decode disaggregation, needs more
+  GPUs than a row's one engine: ``course_lib.sim.disagg`` replays it against colocated serving
+  on the same GPUs (chapter 13, ``bench/disagg.py``).
 * :func:`audit_metric_names`: the Prometheus names the articles tell you to watch, looked up in
   the collectors the course exports with vLLM V0's and V1's names.
 * :func:`vllm_scheduler_defaults` and :func:`vllm_preemption_mode`: what vLLM 0.6.3 (V0) and
@@ -78,7 +81,7 @@ ROWS: tuple[TuningRow, ...] = (
               ("cache_usage_mean", "ttft_mean_s", "ttft_p99_s", "itl_p99_s")),
     TuningRow("high TTFT + normal ITL",
               "requests queue for prefill",
-              "prefix caching (or prefill/decode disaggregation, not simulated here)",
+              "prefix caching (or prefill/decode disaggregation: chapter 13 replays it)",
               lambda: few_shot(300, seed=3, rate=5.0, num_examples=8, example_len=200,
                                output_len=32),
               (SchedulerConfig(max_num_batched_tokens=512), CacheConfig(num_gpu_blocks=4000)),

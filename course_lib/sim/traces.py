@@ -18,6 +18,9 @@ Length models (documented choices, shown in chapter 02):
   choice of spread (sigma 0.6 in, 0.9 out): mu = ln(mean) - sigma**2 / 2 makes the mean exact
   before rounding; rounding to integers >= 1 moves it by well under 1%.
 
+A workload of one shape (vLLM's random dataset, :func:`random_like`) draws lengths uniformly
+around a mean, with bursty arrivals (:func:`gamma_arrivals`, as vLLM's serving benchmark).
+
 Prompt token ids are drawn uniformly from [1, vocab_size). Shared parts (a chat's system
 prompt and earlier turns, few-shot examples) are the *same* tuples of ids, so a prefix cache
 really hits.
@@ -145,6 +148,24 @@ def poisson_arrivals(num: int, rate: float, seed: int = 0) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
+def gamma_arrivals(num: int, rate: float, burstiness: float = 1.0,
+                   seed: int = 0) -> list[float]:
+    """Arrival times whose gaps are gamma-distributed with mean 1/rate, as vLLM's serving
+    benchmark draws them (``get_request`` in ``vllm/benchmarks/serve.py``, vLLM 0.33.0):
+    shape ``burstiness``, scale 1 / (rate x burstiness). burstiness 1 is a Poisson process
+    (but not the draws of :func:`poisson_arrivals`); below 1 the requests come in bursts (the
+    gaps' coefficient of variation is 1 / sqrt(burstiness)); above 1 more evenly. rate=inf:
+    everyone at t=0."""
+    _check_count("num", num)
+    _check_rate(rate)
+    if not (isinstance(burstiness, (int, float)) and burstiness > 0):
+        raise ValueError(f"burstiness must be > 0 (1: Poisson, < 1: bursty), got {burstiness!r}")
+    if math.isinf(rate):
+        return [0.0] * num
+    gaps = _rng(seed, _ARRIVALS).gamma(burstiness, 1.0 / (rate * burstiness), size=num)
+    return np.cumsum(gaps).tolist()
+
+
 def _tokens(rng: np.random.Generator, length: int, vocab_size: int) -> tuple[int, ...]:
     return tuple(rng.integers(1, vocab_size, size=length).tolist())
 
@@ -171,6 +192,33 @@ def alpaca_like(num_requests: int, *, seed: int = 0, rate: float = float("inf"),
     """An Alpaca-like trace: short instructions and answers, Poisson arrivals."""
     lens = alpaca_lengths(num_requests, seed=seed, max_total_len=max_total_len)
     return _trace_from_lengths(lens, seed, rate, vocab_size)
+
+
+def random_like(num_requests: int, *, input_len: int, output_len: int,
+                range_ratio: float = 0.0, seed: int = 0, rate: float = float("inf"),
+                burstiness: float = 1.0, vocab_size: int = 32000) -> list[TraceRequest]:
+    """vLLM's random dataset (``RandomDataset`` in ``vllm/benchmarks/datasets/datasets.py``,
+    vLLM 0.33.0): input and output lengths uniform over the integers of
+    [len x (1 - range_ratio), len x (1 + range_ratio)] (at least 1), random token ids, and
+    arrivals from :func:`gamma_arrivals` at ``rate`` with ``burstiness``. A workload of one
+    shape (long prompts and short answers, or the opposite), which the conversational traces
+    above are not."""
+    _check_count("num_requests", num_requests)
+    _check_count("input_len", input_len, 1)
+    _check_count("output_len", output_len, 1)
+    if not (isinstance(range_ratio, (int, float)) and 0 <= range_ratio < 1):
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio!r}")
+    _check_count("vocab_size", vocab_size, 2)
+    times = gamma_arrivals(num_requests, rate, burstiness, seed)
+    rng = _rng(seed, _LENGTHS)
+    lens = []
+    for mean in (input_len, output_len):
+        low = max(1, math.floor(mean * (1 - range_ratio)))
+        high = max(low, math.ceil(mean * (1 + range_ratio)))
+        lens.append(rng.integers(low, high + 1, size=num_requests))
+    tok = _rng(seed, _TOKENS)
+    return [TraceRequest(i, t, _tokens(tok, int(p), vocab_size), int(o))
+            for i, (t, p, o) in enumerate(zip(times, *lens, strict=True))]
 
 
 # ----------------------------------------------------------------------- shared prefixes

@@ -1,0 +1,165 @@
+"""Prefill/decode disaggregation against colocated serving: the tuning row answered with figures.
+
+Sections (each a function; printed, never asserted):
+
+1. **Replay** (``course_lib.sim.disagg``, model-free: the real V1 scheduler and block manager on
+   every GPU, chapter 07's cost model for Llama-2-7B, each GPU's pool from
+   ``course_lib.capacity.plan_kv_cache`` on 80 GB): colocated on 4 GPUs against 1P3D, 2P2D
+   and 3P1D on the same 4, for a prefill-heavy workload (long prompts, short answers, bursty:
+   the tuning row's "high TTFT") and a decode-heavy one (short prompts, long answers). TTFT
+   and ITL (mean, p99), throughput, the share of requests meeting the SLO and goodput (vLLM's
+   ``request_goodput``), the decode engines' KV usage; then DistServe's goodput: the highest
+   request rate, per GPU, at which 90% of the requests meet the SLO.
+2. **Capacity**: one decode node's pool (Llama-2-7B and Llama-3-8B on an 80 GB GPU): how many
+   decodes it holds with paging against a max_model_len reservation each, on each workload's
+   lengths, beside the "PagedAttention explained" article's utilization figures; then the
+   decode-heavy replay with the decode nodes limited to what static reservation holds.
+
+A section for P/D on real processes can be added as another function called from ``main``.
+
+    python bench/disagg.py            # full run (a few minutes on 2 shared cores)
+    python bench/disagg.py --quick    # small sizes, for a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from course_lib.capacity import plan_kv_cache  # noqa: E402
+from course_lib.claims.sources_claim import cite  # noqa: E402
+from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
+from course_lib.sim.disagg import (  # noqa: E402
+    SLO,
+    DeploymentResult,
+    KVLink,
+    decode_heavy,
+    decode_node_capacity,
+    max_goodput_rate,
+    prefill_heavy,
+    replay_colocated,
+    replay_disaggregated,
+)
+from course_lib.sizing.models import get_preset  # noqa: E402
+
+NUM_GPUS = 4
+MODEL = "Llama-2-7B"          # the cost model's defaults
+SLO_DEFAULT = SLO(ttft_s=2.0, tpot_s=0.04)   # the tutorial's TTFT p99 range; 25 tokens/s
+SCHED = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=2048)
+DEPLOYMENTS = ((0, NUM_GPUS), (1, 3), (2, 2), (3, 1))   # (x, y); x = 0: colocated
+
+
+def cache_config() -> CacheConfig:
+    budget = plan_kv_cache(get_preset(MODEL), 80.0, gpu_memory_utilization=0.9)
+    return CacheConfig(block_size=16, num_gpu_blocks=budget.num_gpu_blocks)
+
+
+def run(trace, x: int, y: int, decode_sc: SchedulerConfig | None = None) -> DeploymentResult:
+    if x == 0:
+        return replay_colocated(trace, y, SCHED, cache_config())
+    return replay_disaggregated(trace, x, y, SCHED, cache_config(), link=KVLink(),
+                                decode_scheduler_config=decode_sc)
+
+
+def workloads(quick: bool) -> dict[str, tuple[Callable[[float], list], float]]:
+    """name -> (trace of a rate, the rate of the table)."""
+    n_pre, n_dec = (80, 150) if quick else (200, 400)
+    return {"prefill-heavy (in 1200-3600, out 24-72, bursty)":
+            (lambda rate: prefill_heavy(n_pre, rate=rate), 6.0),
+            "decode-heavy (in 64-192, out 256-768, Poisson)":
+            (lambda rate: decode_heavy(n_dec, rate=rate), 30.0)}
+
+
+def print_row(r: DeploymentResult, slo: SLO) -> None:
+    print(f"  {r.name:>13} {r.ttft_mean:>9.3f} {r.ttft_p99:>9.3f} {r.itl_mean * 1e3:>9.1f} "
+          f"{r.itl_p99 * 1e3:>9.1f} {r.throughput_tokens_s:>9.0f} "
+          f"{r.slo_attainment(slo):>8.1%} {r.goodput(slo):>9.2f} "
+          f"{r.decode_kv_usage_mean:>8.1%} {r.decode_kv_usage_max:>8.1%}")
+
+
+def section_replay(quick: bool) -> None:
+    slo = SLO_DEFAULT
+    link = KVLink()
+    print(f"== replay: colocated x{NUM_GPUS} vs xPyD on {NUM_GPUS} GPUs ({MODEL} costs, "
+          f"{cache_config().num_gpu_blocks} blocks of 16 per GPU, max_num_batched_tokens "
+          f"{SCHED.max_num_batched_tokens}; link {link.bytes_per_s / 1e9:.0f} GB/s + "
+          f"{link.latency_s * 1e3:.0f} ms a transfer)")
+    print(f"SLO: TTFT <= {slo.ttft_s} s ({cite('000', '§13.2')}'s healthy TTFT p99) and TPOT "
+          f"<= {slo.tpot_s * 1e3:.0f} ms; goodput = requests meeting it / run time")
+    for name, (make, rate) in workloads(quick).items():
+        print(f"\n{name}, {rate} req/s:")
+        print(f"  {'deployment':>13} {'TTFT mean':>9} {'TTFT p99':>9} {'ITL mean':>9} "
+              f"{'ITL p99':>9} {'tok/s':>9} {'in SLO':>8} {'goodput':>9} {'KV mean':>8} "
+              f"{'KV max':>8}")
+        print(f"  {'':>13} {'s':>9} {'s':>9} {'ms':>9} {'ms':>9} {'':>9} {'':>8} "
+              f"{'req/s':>9} {'decode':>8} {'decode':>8}")
+        trace = make(rate)
+        t0 = time.perf_counter()
+        for x, y in DEPLOYMENTS:
+            print_row(run(trace, x, y), slo)
+        print(f"  ({time.perf_counter() - t0:.1f} s of CPU for the four replays)")
+    print("\nDistServe's goodput: the highest rate (req/s) at which >= 90% of the requests "
+          "meet the SLO, and per GPU ('>=': the highest rate tried passed)")
+    sweeps = {0: (2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0), 1: (10.0, 20.0, 30.0, 40.0, 50.0)}
+    if quick:
+        sweeps = {0: (3.0, 5.0, 7.0), 1: (20.0, 40.0)}
+    for k, (name, (make, _)) in enumerate(workloads(quick).items()):
+        rates = sweeps[k]
+        cells = []
+        best_pd = ((3, 1), (1, 3))[k]          # quick: colocated and the P/D split that fits
+        for x, y in DEPLOYMENTS if not quick else (DEPLOYMENTS[0], best_pd):
+            best, per_gpu = max_goodput_rate(make, lambda tr, x=x, y=y: run(tr, x, y),
+                                             rates, slo)
+            label = f"colocated x{y}" if x == 0 else f"{x}P{y}D"
+            mark = ">=" if best == max(rates) else ""
+            cells.append(f"{label} {mark}{best:g} ({per_gpu:.2f}/GPU)")
+        print(f"  {name.split(' (')[0]:>14}: " + ", ".join(cells))
+
+
+def section_capacity(quick: bool) -> None:
+    print("\n== capacity: one decode node, paged vs a max_model_len reservation per request")
+    print(f"{cite('003', 'summary')}: utilization '20%-40%' -> '95%+', and 'for teams running "
+          "P/D disaggregation, the decode node's memory efficiency matters most'")
+    print(f"  {'model':>10} {'workload':>14} {'blocks':>7} {'max len':>7} {'mean tok':>8} "
+          f"{'static':>7} {'paged':>7} {'x':>6} {'static util':>11} {'paged util':>10}")
+    traces = {name.split(" (")[0]: make(rate) for name, (make, rate) in workloads(quick).items()}
+    rows = {}
+    for model in ("Llama-2-7B", "Llama-3-8B"):
+        for wname, trace in traces.items():
+            c = decode_node_capacity(model, trace, gpu_memory_gib=80.0, max_model_len=4096)
+            rows[(model, wname)] = c
+            print(f"  {model:>10} {wname:>14} {c.num_gpu_blocks:>7} {c.max_model_len:>7} "
+                  f"{c.mean_tokens:>8.0f} {c.static_concurrency:>7} {c.paged_concurrency:>7} "
+                  f"{c.ratio:>6.1f} {c.static_utilization:>11.1%} {c.paged_utilization:>10.1%}")
+    print("  (static: pool // blocks of max_model_len; paged: pool // mean blocks of prompt + "
+          "output, each request at its largest)")
+    wname = "decode-heavy"
+    make, rate = workloads(quick)[next(k for k in workloads(quick) if k.startswith(wname))]
+    cap = rows[(MODEL, wname)].static_concurrency
+    print(f"\n{wname} at {rate} req/s, 1P3D, the decode nodes paged vs holding only what "
+          f"static reservation fits ({cap} decodes each: max_num_seqs={cap}):")
+    slo = SLO_DEFAULT
+    trace = make(rate)
+    print_row(run(trace, 1, 3), slo)
+    capped = run(trace, 1, 3, SchedulerConfig(max_model_len=4096, max_num_batched_tokens=2048,
+                                              max_num_seqs=cap))
+    capped.name = "1P3D static"
+    print_row(capped, slo)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    args = ap.parse_args()
+    print("model-free: figures of the cost model (course_lib.sim.replay.CostModel), no GPU")
+    section_replay(args.quick)
+    section_capacity(args.quick)
+
+
+if __name__ == "__main__":
+    main()
