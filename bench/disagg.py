@@ -2,8 +2,8 @@
 
 Sections (each a function; printed, never asserted):
 
-1. **Replay** (``course_lib.sim.disagg``, model-free: the real V1 scheduler and block manager on
-   every GPU, chapter 07's cost model for Llama-2-7B, each GPU's pool from
+1. **Replay** (``course_lib.sim.disagg_replay``, model-free: the real V1 scheduler and block
+   manager on every GPU, chapter 07's cost model for Llama-2-7B, each GPU's pool from
    ``course_lib.capacity.plan_kv_cache`` on 80 GB): colocated on 4 GPUs against 1P3D, 2P2D
    and 3P1D on the same 4, for a prefill-heavy workload (long prompts, short answers, bursty:
    the tuning row's "high TTFT") and a decode-heavy one (short prompts, long answers). TTFT
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from course_lib.capacity import plan_kv_cache  # noqa: E402
 from course_lib.claims.sources_claim import cite  # noqa: E402
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
-from course_lib.sim.disagg import (  # noqa: E402
+from course_lib.sim.disagg_replay import (  # noqa: E402
     SLO,
     DeploymentResult,
     KVLink,

@@ -1,4 +1,4 @@
-"""course_lib.sim.disagg: colocated vs xPyD replays, their figures, the capacity side.
+"""course_lib.sim.disagg_replay: colocated vs xPyD replays, their figures, the capacity side.
 
 Behaviour only (the figures are bench/disagg.py's to print): every request finishes with the
 same tokens either way, the decode engines' pools bound them, TTFT includes the transfer, the
@@ -13,7 +13,7 @@ import math
 import pytest
 
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.sim.disagg import (
+from course_lib.sim.disagg_replay import (
     SLO,
     KVLink,
     decode_heavy,

@@ -6,8 +6,8 @@
   person would read off the metrics (``symptoms``). The traces are chosen to show the
   symptom; the numbers are what our cost model gives for them, not measurements of a GPU.
   The "high TTFT + normal ITL" row's other remedy, prefill/decode disaggregation, needs more
-  GPUs than a row's one engine: ``course_lib.sim.disagg`` replays it against colocated serving
-  on the same GPUs (chapter 13, ``bench/disagg.py``).
+  GPUs than a row's one engine: ``course_lib.sim.disagg_replay`` replays it against colocated
+  serving on the same GPUs (chapter 13, ``bench/disagg.py``).
 * :func:`audit_metric_names`: the Prometheus names the articles tell you to watch, looked up in
   the collectors the course exports with vLLM V0's and V1's names.
 * :func:`vllm_scheduler_defaults` and :func:`vllm_preemption_mode`: what vLLM 0.6.3 (V0) and

@@ -191,13 +191,17 @@ class P2PConnector(KVConnectorBase_V1):
     ``torch.distributed`` world of all engines (initialised by the caller, as
     :mod:`course_lib.parallel.disagg` does). ``exit_after_layers``: fault injection for the
     tests and chapter 13: the process exits (``os._exit``) once its first transfer has sent
-    (prefill) or received (decode) that many layers: a process killed mid-transfer."""
+    (prefill) or received (decode) that many layers: a process killed mid-transfer.
+    ``transport``: what moves the messages, with ``torch.distributed``'s ``send``, ``recv``,
+    ``all_gather_object`` and ``get_world_size``: that module itself by default; the tests
+    pass an in-process stand-in to drive two engines in one process, step by step."""
 
     __rollback_skip__ = KVConnectorBase_V1.__rollback_skip__ + (
-        "_peers", "_inbox", "_inbox_lock", "_sent", "_in_flight", "_released", "events")
+        "_peers", "_inbox", "_inbox_lock", "_sent", "_in_flight", "_released", "events",
+        "transport")
 
     def __init__(self, kv_role: str, rank: int, *, abort_timeout_s: float = 120.0,
-                 exit_after_layers: int | None = None) -> None:
+                 exit_after_layers: int | None = None, transport: Any = dist) -> None:
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {kv_role!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -208,6 +212,7 @@ class P2PConnector(KVConnectorBase_V1):
         self.kv_role, self.rank = kv_role, rank
         self.abort_timeout_s = abort_timeout_s
         self.exit_after_layers = exit_after_layers
+        self.transport = transport
         self.block_size = 0
         self.layout: KVLayout | None = None
         self.peer_layouts: dict[int, KVLayout] = {}
@@ -253,12 +258,12 @@ class P2PConnector(KVConnectorBase_V1):
         the threads that listen to the peers."""
         if self.layout is None:
             raise RuntimeError("register_kv_caches first: the engine does it when built")
-        world = dist.get_world_size()
+        world = self.transport.get_world_size()
         if sorted(roles) != list(range(world)) or roles.get(self.rank) != self.kv_role:
             raise ValueError(f"roles must name every rank 0..{world - 1}, this one "
                              f"({self.rank}) as {self.kv_role!r}; got {roles!r}")
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (self.kv_role, self.layout))
+        self.transport.all_gather_object(gathered, (self.kv_role, self.layout))
         problems = []
         for r, (role, layout) in enumerate(gathered):
             if role != roles[r]:
@@ -531,7 +536,7 @@ class P2PConnector(KVConnectorBase_V1):
         msg = torch.zeros(4, dtype=torch.int64)
         while True:
             try:
-                dist.recv(msg, src=peer, tag=CTRL_TAG)
+                self.transport.recv(msg, src=peer, tag=CTRL_TAG)
             except Exception as exc:                  # the peer is gone
                 self._peers[peer].dead = f"{type(exc).__name__}: {exc}"
                 return
@@ -541,10 +546,10 @@ class P2PConnector(KVConnectorBase_V1):
     def _send_work(self, t: _Transfer) -> None:
         """Prefill side, on the peer's thread: the status, then one message per layer."""
         try:
-            dist.send(torch.tensor([t.status, len(t.buffers)], dtype=torch.int64), t.peer,
-                      tag=t.tag)
+            self.transport.send(torch.tensor([t.status, len(t.buffers)], dtype=torch.int64),
+                                t.peer, tag=t.tag)
             for layer, buf in enumerate(t.buffers):
-                dist.send(buf, t.peer, tag=t.tag + 1 + layer)
+                self.transport.send(buf, t.peer, tag=t.tag + 1 + layer)
                 self._maybe_exit(layer + 1)
         finally:
             if t.request_id >= 0:
@@ -555,15 +560,16 @@ class P2PConnector(KVConnectorBase_V1):
     def _recv_work(self, t: _Transfer) -> None:
         """Decode side, on the peer's thread: the read request, the status, the layers."""
         spec = t.spec
-        dist.send(torch.tensor([spec.remote_request_id, t.tag, spec.first_block,
-                                len(spec.block_ids)], dtype=torch.int64), t.peer, tag=CTRL_TAG)
+        self.transport.send(torch.tensor([spec.remote_request_id, t.tag, spec.first_block,
+                                          len(spec.block_ids)], dtype=torch.int64),
+                            t.peer, tag=CTRL_TAG)
         status = torch.zeros(2, dtype=torch.int64)
-        dist.recv(status, src=t.peer, tag=t.tag)
+        self.transport.recv(status, src=t.peer, tag=t.tag)
         t.status = int(status[0])
         if t.status != STATUS_OK:
             return
         for layer, buf in enumerate(t.buffers):
-            dist.recv(buf, src=t.peer, tag=t.tag + 1 + layer)
+            self.transport.recv(buf, src=t.peer, tag=t.tag + 1 + layer)
             self._maybe_exit(layer + 1)
 
     def _maybe_exit(self, layers_done: int) -> None:

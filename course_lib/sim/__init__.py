@@ -7,8 +7,8 @@
   and a memory-level comparison with paging (chapter 02).
 - ``course_lib.sim.replay``: a cost-model replay over the real scheduler and block manager
   (chapter 07).
-- ``course_lib.sim.disagg``: colocated serving against prefill/decode disaggregation (xPyD) on
-  the same GPUs, the same replay on every engine, one clock (chapter 13).
+- ``course_lib.sim.disagg_replay``: colocated serving against prefill/decode disaggregation
+  (xPyD) on the same GPUs, the same replay on every engine, one clock (chapter 13).
 
 Nothing is imported here on purpose: import the submodule you need.
 """
