@@ -15,7 +15,11 @@ Sections (each a function; printed, never asserted):
    lengths, beside the "PagedAttention explained" article's utilization figures; then the
    decode-heavy replay with the decode nodes limited to what static reservation holds.
 
-A section for P/D on real processes can be added as another function called from ``main``.
+3. **Real processes** (``course_lib.parallel.disagg``: engines of the tiny model on their own
+   processes, K/V over ``torch.distributed`` with gloo): one colocated engine against 1P1D and
+   2P1D on the same prompts: tokens identical or not, blocks moved, the hand-over (read
+   request to blocks loaded) and end-to-end TTFT. On this machine's few CPU cores the
+   processes compete for them: the figures show what the mechanism costs, not a GPU's speed.
 
     python bench/disagg.py            # full run (a few minutes on 2 shared cores)
     python bench/disagg.py --quick    # small sizes, for a smoke test
@@ -152,13 +156,80 @@ def section_capacity(quick: bool) -> None:
     print_row(capped, slo)
 
 
+def _ttft_e2e(cluster, out) -> float:
+    """Proxy's first send to the decode engine's first token: the hand-over included."""
+    hops = cluster.timeline(out.request_id)
+    start = hops[0].t
+    sent = [h.t for h in hops if h.where == "proxy" and h.what.startswith("sent to decode")]
+    return (sent[-1] - start if sent else 0.0) + (out.ttft or 0.0)
+
+
+def section_processes(quick: bool) -> None:
+    import random
+    import statistics
+
+    import torch
+
+    from course_lib.engine.llm_engine import LLMEngine
+    from course_lib.model.loader import load_tiny_model
+    from course_lib.parallel.disagg import DisaggCluster
+    from course_lib.sequence import SamplingParams
+
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    n = 6 if quick else 16
+    prompts = [[1] + [rng.randrange(3, 200) for _ in range(rng.randrange(40, 160))]
+               for _ in range(n)]
+    params = [SamplingParams(max_tokens=16, temperature=0.0),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=11)] * (n // 2)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=256, enable_prefix_caching=True)
+    print(f"\n== real processes: the tiny model, {n} prompts of 41-160 tokens, 16 tokens each "
+          "(half greedy, half seeded), gloo on this machine's CPU cores")
+    engine = LLMEngine(load_tiny_model(), None, cache, attn_impl="torch", design="v1")
+    t = time.perf_counter()
+    ref = engine.generate(prompts, params)
+    wall = time.perf_counter() - t
+    want = [o.outputs[0].token_ids for o in ref]
+    print(f"  {'deployment':<12} {'same tokens':>11} {'blocks moved':>12} "
+          f"{'hand-over ms (mean / max)':>26} {'TTFT s (mean)':>14} {'run s':>6}")
+    print(f"  {'colocated':<12} {'-':>11} {'-':>12} {'-':>26} "
+          f"{statistics.mean(o.ttft for o in ref):>14.3f} {wall:>6.2f}")
+    for x, y in ((1, 1), (2, 1)):
+        with DisaggCluster(x, y, cache_config=cache, attn_impl="torch") as cluster:
+            t = time.perf_counter()
+            outs = cluster.generate(prompts, params)
+            wall = time.perf_counter() - t
+            stats = cluster.settle()
+            moved = sum(s["num_recv_blocks"] for s in stats.values())
+            hand = []
+            for o in outs:
+                hops = cluster.timeline(o.request_id)
+                ask = [h.t for h in hops if h.what == "read request"]
+                got = [h.t for h in hops if h.what == "loaded"]
+                if ask and got:
+                    hand.append((got[-1] - ask[-1]) * 1e3)
+            same = [o.outputs[0].token_ids for o in outs] == want
+            ttft = statistics.mean(_ttft_e2e(cluster, o) for o in outs)
+            print(f"  {f'{x}P{y}D':<12} {'yes' if same else 'NO':>11} {moved:>12} "
+                  f"{statistics.mean(hand):>12.1f} / {max(hand):<11.1f} {ttft:>14.3f} "
+                  f"{wall:>6.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    ap.add_argument("--sections", default="replay,capacity,processes",
+                    help="which sections, comma-separated (default: all)")
     args = ap.parse_args()
-    print("model-free: figures of the cost model (course_lib.sim.replay.CostModel), no GPU")
-    section_replay(args.quick)
-    section_capacity(args.quick)
+    sections = set(args.sections.split(","))
+    if sections & {"replay", "capacity"}:
+        print("model-free: figures of the cost model (course_lib.sim.replay.CostModel), no GPU")
+    if "replay" in sections:
+        section_replay(args.quick)
+    if "capacity" in sections:
+        section_capacity(args.quick)
+    if "processes" in sections:
+        section_processes(args.quick)
 
 
 if __name__ == "__main__":

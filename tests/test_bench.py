@@ -87,3 +87,6 @@ def test_disagg_bench_runs_quick():
     assert out.count("/GPU)") == 4, out                  # two deployments per workload
     assert out.count("  Llama-2-7B ") == 2 and out.count("  Llama-3-8B ") == 2, out
     assert "1P3D static" in out, out
+    # the real processes: tokens identical to one engine's
+    assert out.count("  1P1D ") == 1 and out.count("  2P1D ") == 1, out
+    assert " NO " not in out and out.count(" yes ") == 2, out
