@@ -106,8 +106,10 @@ test-fidelity: $(STAMP)
 	$(PY) tests/fidelity/fetch.py $(FIDELITY_CACHE)
 	COURSE_FIDELITY=1 COURSE_FIDELITY_CACHE=$(FIDELITY_CACHE) \
 	COURSE_VLLM_SRC=$(FIDELITY_CACHE)/vllm-0.33.0 COURSE_VLLM06_SRC=$(FIDELITY_CACHE)/vllm-0.6.3 \
+	COURSE_SGLANG_SRC=$(FIDELITY_CACHE)/sglang-0.5.23 \
 	$(PY) -m pytest tests/fidelity \
 	tests/test_ch01_03_articles.py::test_component_table_vllm_files_and_classes_exist \
+	tests/test_ch13.py::test_the_map_cites_files_that_exist \
 	-p no:cacheprovider
 
 book: $(BOOK_STAMP)

@@ -15,4 +15,8 @@
 * ``kv_connector``  vLLM V1's KV-connector interface (``KVConnectorBase_V1``): scheduler side
                     (``scheduler/kv_connector.py``) and worker side, one object for both
 * ``cpu_offload``   a CPU offload tier behind it (``kv_offloading_size``), keyed by V1's hashes
+* ``kv_connector_trace``  the CPU tier recording every interface call, and the calls printed
+                    step by step, scheduler side beside worker side (chapter 13)
+* ``offload_sweep`` the CPU tier measured: a multi-turn chat at several GPU pool sizes, with and
+                    without a tier (chapter 13)
 """

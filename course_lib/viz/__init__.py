@@ -17,6 +17,10 @@
 * ``serving``            chapter 10: block tables growing step by step
 * ``engine_run``         chapter 11: the pool, the queues and the batch of a serving run
 * ``designs``            chapter 12: the V0 design beside V1's on one trace
+* ``offload``            chapter 13: where prompt tokens come from as the GPU pool shrinks, with
+                         and without a CPU tier (a widget)
+* ``kv_transfer_map``    chapter 13: the connector, offload and P/D modules beside vLLM's and
+                         SGLang's files
 
 Nothing is imported here: import the module that defines what you need.
 """

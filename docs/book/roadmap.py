@@ -39,6 +39,7 @@ PLACES: dict[str, tuple[str, float, int, str]] = {
     "10_serving_end_to_end": ("Serving\nend to end", 3, 6, "scheduling and serving"),
     "11_capstone": ("Capstone", 2, 7, "scheduling and serving"),
     "12_vllm_v1_and_sglang": ("vLLM V1\nand SGLang", 4.5, 7, "scheduling and serving"),
+    "13_beyond_one_gpu": ("Beyond one\nGPU's pool", 4.5, 8, "scheduling and serving"),
 }
 
 # (chapter, a chapter that builds on it); only the direct steps, what follows from two steps
@@ -59,6 +60,7 @@ EDGES: list[tuple[str, str]] = [
     ("07_scheduling_and_preemption", "10_serving_end_to_end"),
     ("10_serving_end_to_end", "11_capstone"),
     ("10_serving_end_to_end", "12_vllm_v1_and_sglang"),
+    ("12_vllm_v1_and_sglang", "13_beyond_one_gpu"),
 ]
 
 BOX_W, BOX_H = 1.8, 0.72

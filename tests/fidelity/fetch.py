@@ -9,9 +9,10 @@
 * SGLang 0.5.23's wheel for CPython 3.11 / x86-64 (SGLang publishes no sdist, nor a pure
   wheel): the same way, whatever this machine is, since only its Python files are read.
 
-Only the files the fidelity tests and the component-table check read are extracted, to
-``CACHE/<name>/`` (e.g. ``.fidelity-cache/vllm-0.33.0/vllm/v1/core/block_pool.py``); the
-archives stay in ``CACHE/downloads/``. A second run with everything in place does nothing (a
+Only the files the fidelity tests, the component-table check and chapter 13's map check read
+are extracted, to ``CACHE/<name>/`` (e.g.
+``.fidelity-cache/vllm-0.33.0/vllm/v1/core/block_pool.py``); the archives stay in
+``CACHE/downloads/``. A second run with everything in place does nothing (a
 stamp file per source records what was extracted). Standard library only.
 """
 
@@ -80,17 +81,28 @@ def _table_paths(column: str) -> tuple[str, ...]:
                          for p in re.findall(r"vllm/[\w/.]+", getattr(row, column))}))
 
 
+def _map_paths(source: str) -> tuple[str, ...]:
+    """The files chapter 13's then-and-now map cites (tests/test_ch13.py checks them):
+    ``source`` "vllm" (vllm/... paths) or "sglang" (srt/... paths, under sglang/ in the wheel)."""
+    sys.path.insert(0, str(ROOT))
+    from course_lib.viz.kv_transfer_map import cited_paths
+
+    paths = cited_paths()[source]
+    return tuple(paths if source == "vllm" else (f"sglang/{p}" for p in paths))
+
+
 def sources() -> tuple[Source, ...]:
     return (
         Source("vllm-0.33.0", "vllm", "vllm-0.33.0.tar.gz",
                "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
-               "vllm-0.33.0/", VLLM_FILES + _table_paths("v1")),
+               "vllm-0.33.0/", tuple(dict.fromkeys(VLLM_FILES + _table_paths("v1")
+                                                   + _map_paths("vllm")))),
         Source("vllm-0.6.3", "vllm", "vllm-0.6.3.tar.gz",
                "03e69029ad9caceaab68d5c3833ae6fe57c04be678ec37f29e9df6eaf178a9c5",
                "vllm-0.6.3/", _table_paths("v0")),
         Source("sglang-0.5.23", "sglang", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
                "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937",
-               "", SGLANG_FILES),
+               "", tuple(dict.fromkeys(SGLANG_FILES + _map_paths("sglang")))),
     )
 
 

@@ -1,0 +1,268 @@
+"""Chapter 13 exercises: what a CPU offload tier stores after a step (13.1), and how many
+tokens it reports for a partly offloaded prefix (13.2).
+
+References run the library's :class:`~course_lib.engine.cpu_offload.CPUOffloadConnector` on
+the same input: its ``build_connector_meta`` (the stores of one scheduled sequence) and its
+``get_num_new_matched_tokens``, over a tier filled with the hashes the case says it holds.
+Feedback names the case (the sequence's block hashes, what the tier holds, the tokens) and the
+blocks or tokens that differ, in the chapter's terms.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+from course_lib.engine.cpu_offload import CPUOffloadConnector
+from course_lib.exercises import Exercise, Exercises, Rule, Verdict, judge_cases, returns
+from course_lib.exercises.solutions import ch13 as solutions
+
+
+def _tier(block_hashes: Sequence[str], tier: set[str], block_size: int, num_tokens: int
+          ) -> tuple[CPUOffloadConnector, SimpleNamespace]:
+    """A real tier holding ``tier`` (room for every hash besides), bound to a stand-in of the
+    KV-cache manager that knows one sequence (id 0, ``num_tokens`` long) and its hashes."""
+    conn = CPUOffloadConnector(len(tier) + len(block_hashes) + 1)
+    for h in sorted(tier):
+        conn.cpu_pool.allocate(h, set())
+    conn.kv_cache_manager = SimpleNamespace(req_to_block_hashes={0: list(block_hashes)})
+    conn.block_size = block_size
+    return conn, _Seq(num_tokens)
+
+
+class _Seq:
+    """The sequence as the connector reads it: ``seq_id``, ``len()``, ``num_computed_tokens``."""
+
+    def __init__(self, num_tokens: int, num_computed_tokens: int = 0) -> None:
+        self.seq_id, self.num_tokens = 0, num_tokens
+        self.num_computed_tokens = num_computed_tokens
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+
+def _letters(n: int) -> list[str]:
+    """Short stand-ins for ``n`` block hashes: a, b, ..., z, a1, b1, ..."""
+    return [chr(ord("a") + i % 26) + (str(i // 26) if i >= 26 else "") for i in range(n)]
+
+
+# ------------------------------------------------------------------ 13.1
+def blocks_to_store(block_hashes: Sequence[str], tier: set[str], num_computed_tokens: int,
+                    num_new_tokens: int, block_size: int) -> list[int]:
+    """Reference: the blocks (indices into the sequence's table) the tier stores after a step
+    that computes ``num_new_tokens`` tokens from ``num_computed_tokens`` on: the library's
+    ``build_connector_meta`` for one scheduled sequence whose block ``i`` is GPU block ``i``."""
+    num_tokens = num_computed_tokens + num_new_tokens
+    conn, _ = _tier(block_hashes, tier, block_size, num_tokens)
+    entry = SimpleNamespace(seq=_Seq(num_tokens, num_computed_tokens),
+                            num_tokens=num_new_tokens,
+                            block_ids=list(range(-(-num_tokens // block_size))))
+    meta = conn.build_connector_meta(SimpleNamespace(scheduled=[entry]))
+    return [gpu for gpu, _ in meta.stores]
+
+
+def _store_cases() -> list[tuple]:
+    cases = [(_letters(4), set(), 0, 10, 4),            # a chunk: its partial block waits
+             (_letters(4), set(), 8, 8, 4),             # only what this step computed
+             (_letters(3), set(), 6, 6, 4),             # block 1 began last step, ends now
+             (_letters(4), {"b"}, 0, 16, 4),            # b is held; c and d are stored
+             (_letters(3), set(), 11, 1, 4),            # a decode token completes block 2
+             (_letters(2), set(), 9, 2, 4),             # nothing completes
+             (_letters(3), {"a", "b", "c"}, 0, 13, 4)]  # all held: nothing to store
+    rng = random.Random(131)
+    for _ in range(30):
+        bs = rng.choice([2, 4, 8])
+        ctx, n = rng.randrange(0, 40), rng.randrange(1, 24)
+        hashes = _letters((ctx + n) // bs + rng.randrange(3))   # a chunk of a longer prompt
+        tier = {h for h in hashes if rng.random() < 0.3}
+        cases.append((hashes, tier, ctx, n, bs))
+    return cases
+
+
+def _store_text(case: tuple) -> str:
+    hashes, tier, ctx, n, bs = case
+    return (f"block_size {bs}, hashes {hashes}, tier holds {sorted(tier)}, tokens "
+            f"{ctx}..{ctx + n - 1} computed this step")
+
+
+def check_blocks_to_store(fn: Callable[..., list[int]]) -> Verdict:
+    """13.1: the learner's blocks against the library tier's stores, case by case."""
+    def judge(case: tuple, got) -> str | None:
+        hashes, tier, ctx, n, bs = case
+        want = blocks_to_store(*case)
+        if isinstance(got, list | tuple) and list(got) == want:
+            return None
+        end = (ctx + n) // bs
+        why = (f"the full blocks this step completes are {ctx // bs}..{end - 1}"
+               if end > ctx // bs else "this step completes no block")
+        return (f"{_store_text(case)}: yours {got!r}, the library stores {want} ({why}; "
+                f"skip those the tier holds)")
+
+    return judge_cases("13.1 blocks_to_store", fn, _store_cases(), returns(judge), _store_text)
+
+
+def _stores_partial(block_hashes, tier, ctx, n, bs):
+    """Wrong: stores the partial last block too (ceil instead of floor)."""
+    end = -(-(ctx + n) // bs)
+    return [i for i in range(ctx // bs, min(end, len(block_hashes)))
+            if block_hashes[i] not in tier]
+
+
+def _stores_from_start(block_hashes, tier, ctx, n, bs):
+    """Wrong: every full block of the sequence, not only this step's."""
+    return [i for i in range((ctx + n) // bs) if block_hashes[i] not in tier]
+
+
+def _skips_begun_block(block_hashes, tier, ctx, n, bs):
+    """Wrong: starts at the first block this step begins (ceil), losing the one it ends."""
+    return [i for i in range(-(-ctx // bs), (ctx + n) // bs) if block_hashes[i] not in tier]
+
+
+def _stores_held(block_hashes, tier, ctx, n, bs):
+    """Wrong: copies blocks the tier already holds again."""
+    return list(range(ctx // bs, (ctx + n) // bs))
+
+
+def _stops_at_held(block_hashes, tier, ctx, n, bs):
+    """Wrong: stops at the first block the tier holds (a lookup's rule, not a store's)."""
+    out = []
+    for i in range(ctx // bs, (ctx + n) // bs):
+        if block_hashes[i] in tier:
+            break
+        out.append(i)
+    return out
+
+
+# ------------------------------------------------------------------ 13.2
+def num_new_matched_tokens(block_hashes: Sequence[str], tier: set[str], num_tokens: int,
+                           gpu_hit_tokens: int, block_size: int) -> int:
+    """Reference: the library tier's ``get_num_new_matched_tokens`` for a sequence of
+    ``num_tokens`` tokens whose GPU prefix hit is ``gpu_hit_tokens``."""
+    conn, seq = _tier(block_hashes, tier, block_size, num_tokens)
+    n, _ = conn.get_num_new_matched_tokens(seq, gpu_hit_tokens)
+    return n
+
+
+def _match_cases() -> list[tuple]:
+    cases = [(_letters(4), set(_letters(4)), 17, 0, 4),    # the whole prompt but its last token
+             (_letters(4), set(_letters(4)), 16, 0, 4),    # the last token's block: computed
+             (_letters(4), set(_letters(4)), 18, 8, 4),    # after the GPU hit only
+             (_letters(4), {"a", "c", "d"}, 18, 0, 4),     # stops where the tier lacks one
+             (_letters(4), {"c", "d"}, 18, 8, 4),          # the GPU found a, b; the tier c, d
+             (_letters(3), set(_letters(3)), 13, 12, 4),   # the GPU found all it may
+             (_letters(4), set(), 18, 4, 4)]               # the tier holds nothing
+    rng = random.Random(132)
+    for _ in range(30):
+        bs = rng.choice([2, 4, 8])
+        num_tokens = rng.randrange(1, 48)
+        hashes = _letters(num_tokens // bs)
+        gpu = bs * rng.randrange(0, max(1, (num_tokens - 1) // bs + 1))
+        tier = {h for h in hashes if rng.random() < 0.7}
+        cases.append((hashes, tier, num_tokens, gpu, bs))
+    return cases
+
+
+def _match_text(case: tuple) -> str:
+    hashes, tier, num_tokens, gpu, bs = case
+    return (f"block_size {bs}, {num_tokens} tokens, hashes {hashes}, tier holds "
+            f"{sorted(tier)}, GPU hit {gpu} tokens")
+
+
+def check_num_new_matched_tokens(fn: Callable[..., int]) -> Verdict:
+    """13.2: the learner's count against the library tier's, case by case."""
+    def judge(case: tuple, got) -> str | None:
+        hashes, tier, num_tokens, gpu, bs = case
+        want = num_new_matched_tokens(*case)
+        if isinstance(got, int) and not isinstance(got, bool) and got == want:
+            return None
+        return (f"{_match_text(case)}: yours {got!r}, the library {want} (blocks "
+                f"{gpu // bs}..{gpu // bs + want // bs - 1} from the tier; the last token, "
+                f"{num_tokens - 1}, is computed)" if want else
+                f"{_match_text(case)}: yours {got!r}, the library 0 (no block of the tier "
+                f"follows the GPU hit before the last token's block)")
+
+    return judge_cases("13.2 num_new_matched_tokens", fn, _match_cases(), returns(judge),
+                       _match_text)
+
+
+def _counts_blocks(block_hashes, tier, num_tokens, gpu, bs):
+    """Wrong: the number of blocks, not of tokens."""
+    return solutions.num_new_matched_tokens(block_hashes, tier, num_tokens, gpu, bs) // bs
+
+
+def _loads_last_token(block_hashes, tier, num_tokens, gpu, bs):
+    """Wrong: may cover the last token too (every full block)."""
+    n = 0
+    for i in range(gpu // bs, len(block_hashes)):
+        if block_hashes[i] not in tier:
+            break
+        n += 1
+    return n * bs
+
+
+def _counts_from_start(block_hashes, tier, num_tokens, gpu, bs):
+    """Wrong: counts the tier's blocks from the first block, the GPU's hit included."""
+    return solutions.num_new_matched_tokens(block_hashes, tier, num_tokens, 0, bs)
+
+
+def _counts_every_held(block_hashes, tier, num_tokens, gpu, bs):
+    """Wrong: every block after the GPU hit that the tier holds, gaps or not."""
+    last = (num_tokens - 1) // bs
+    return bs * sum(1 for i in range(gpu // bs, min(last, len(block_hashes)))
+                    if block_hashes[i] in tier)
+
+
+EXERCISES = Exercises(
+    Exercise("13.1", "blocks_to_store", check_blocks_to_store, hints=(
+        "Number the sequence's blocks from 0: block i holds tokens i * block_size to "
+        "(i + 1) * block_size - 1, and its hash is block_hashes[i]. Which blocks are full "
+        "once this step's tokens are written, and were not full before it?",
+        "The first is the block holding token num_computed_tokens (it may have begun in an "
+        "earlier step: integer division), the last the one before the block left partial: "
+        "range(num_computed_tokens // block_size, (num_computed_tokens + num_new_tokens) // "
+        "block_size).",
+        "Of those, leave out the ones whose hash the tier already holds, and go on past them: "
+        "a store copies each block on its own.",
+    ), solution=solutions.blocks_to_store, rules=(
+        Rule("only full blocks are stored",
+             "hashes ['a', 'b', 'c', 'd'], tier holds [], tokens 0..9",
+             _stores_partial),
+        Rule("only the blocks this step completes, not earlier ones",
+             "hashes ['a', 'b', 'c', 'd'], tier holds [], tokens 8..15", _stores_from_start),
+        Rule("a block that began in an earlier step and is completed by this one is stored",
+             "hashes ['a', 'b', 'c'], tier holds [], tokens 6..11", _skips_begun_block),
+        Rule("a block the tier holds is not stored again",
+             "hashes ['a', 'b', 'c', 'd'], tier holds ['b'], tokens 0..15", _stores_held),
+        Rule("the blocks after a held one are still stored",
+             "hashes ['a', 'b', 'c', 'd'], tier holds ['b'], tokens 0..15", _stops_at_held),
+    ), trivial=(lambda *a: None, lambda *a: []), compare_with=(
+        "CPUOffloadConnector.build_connector_meta in course_lib/engine/cpu_offload.py, then "
+        "vLLM 0.33.0's _build_store_jobs in "
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py")),
+    Exercise("13.2", "num_new_matched_tokens", check_num_new_matched_tokens, hints=(
+        "The GPU found gpu_hit_tokens (whole blocks); the tier is asked about the blocks that "
+        "come right after them, starting with block gpu_hit_tokens // block_size.",
+        "Walk those blocks while the tier holds their hash, and stop at the first it does not "
+        "hold: a prefix cannot skip a block.",
+        "Never report the block of the last token (token num_tokens - 1): it is computed, for "
+        "the logits. So stop before block (num_tokens - 1) // block_size, and answer in "
+        "tokens: blocks times block_size.",
+    ), solution=solutions.num_new_matched_tokens, rules=(
+        Rule("the answer is in tokens", "17 tokens, hashes ['a', 'b', 'c', 'd'], tier holds "
+             "['a', 'b', 'c', 'd'], GPU hit 0", _counts_blocks),
+        Rule("the last token's block is never reported", "16 tokens, hashes ['a', 'b', 'c', "
+             "'d'], tier holds ['a', 'b', 'c', 'd'], GPU hit 0", _loads_last_token),
+        Rule("only the blocks after the GPU hit are counted", "18 tokens, hashes ['a', 'b', "
+             "'c', 'd'], tier holds ['a', 'b', 'c', 'd'], GPU hit 8", _counts_from_start),
+        Rule("the count stops at the first block the tier lacks", "18 tokens, hashes ['a', "
+             "'b', 'c', 'd'], tier holds ['a', 'c', 'd'], GPU hit 0", _counts_every_held),
+    ), trivial=(lambda *a: None, lambda *a: 0), compare_with=(
+        "CPUOffloadConnector.get_num_new_matched_tokens in course_lib/engine/cpu_offload.py, "
+        "then vLLM 0.33.0's SimpleCPUOffloadScheduler.get_num_new_matched_tokens in "
+        "vllm/v1/simple_kv_offload/manager.py")),
+)
+
+
+hint = EXERCISES.print_hint            # ch13.hint("N.M"): the next graded hint
+solution = EXERCISES.print_solution    # ch13.solution("N.M"): a solution's code
