@@ -35,48 +35,36 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from course_lib.capacity import plan_kv_cache  # noqa: E402
 from course_lib.claims.sources_claim import cite  # noqa: E402
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
 from course_lib.sim.disagg_replay import (  # noqa: E402
     SLO,
+    STUDY_DEPLOYMENTS,
+    STUDY_GPUS,
+    STUDY_MODEL,
+    STUDY_SCHEDULER,
+    STUDY_SLO,
     DeploymentResult,
     KVLink,
-    decode_heavy,
     decode_node_capacity,
     max_goodput_rate,
-    prefill_heavy,
-    replay_colocated,
-    replay_disaggregated,
+    run_deployment,
+    study_cache_config,
+    study_workloads,
 )
-from course_lib.sizing.models import get_preset  # noqa: E402
 
-NUM_GPUS = 4
-MODEL = "Llama-2-7B"          # the cost model's defaults
-SLO_DEFAULT = SLO(ttft_s=2.0, tpot_s=0.04)   # the tutorial's TTFT p99 range; 25 tokens/s
-SCHED = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=2048)
-DEPLOYMENTS = ((0, NUM_GPUS), (1, 3), (2, 2), (3, 1))   # (x, y); x = 0: colocated
-
-
-def cache_config() -> CacheConfig:
-    budget = plan_kv_cache(get_preset(MODEL), 80.0, gpu_memory_utilization=0.9)
-    return CacheConfig(block_size=16, num_gpu_blocks=budget.num_gpu_blocks)
+NUM_GPUS, MODEL, SLO_DEFAULT = STUDY_GPUS, STUDY_MODEL, STUDY_SLO
+SCHED, DEPLOYMENTS = STUDY_SCHEDULER, STUDY_DEPLOYMENTS
+cache_config = study_cache_config
 
 
 def run(trace, x: int, y: int, decode_sc: SchedulerConfig | None = None) -> DeploymentResult:
-    if x == 0:
-        return replay_colocated(trace, y, SCHED, cache_config())
-    return replay_disaggregated(trace, x, y, SCHED, cache_config(), link=KVLink(),
-                                decode_scheduler_config=decode_sc)
+    return run_deployment(trace, x, y, decode_sc)
 
 
 def workloads(quick: bool) -> dict[str, tuple[Callable[[float], list], float]]:
     """name -> (trace of a rate, the rate of the table)."""
-    n_pre, n_dec = (80, 150) if quick else (200, 400)
-    return {"prefill-heavy (in 1200-3600, out 24-72, bursty)":
-            (lambda rate: prefill_heavy(n_pre, rate=rate), 6.0),
-            "decode-heavy (in 64-192, out 256-768, Poisson)":
-            (lambda rate: decode_heavy(n_dec, rate=rate), 30.0)}
+    return study_workloads(*((80, 150) if quick else (200, 400)))
 
 
 def print_row(r: DeploymentResult, slo: SLO) -> None:

@@ -573,6 +573,51 @@ def decode_heavy(num_requests: int = 200, *, rate: float = 6.0, seed: int = 0,
                        range_ratio=0.5, seed=seed, rate=rate, burstiness=1.0)
 
 
+# ------------------------------------------------------------- the tuning row's study
+#: the study ``bench/disagg.py`` prints and chapter 13 draws: Llama-2-7B (the cost model's
+#: defaults) on 4 GPUs of 80 GB, the SLO of the tutorial's healthy TTFT p99 (2 s) and 25
+#: tokens/s per request (TPOT <= 40 ms)
+STUDY_GPUS = 4
+STUDY_MODEL = "Llama-2-7B"
+STUDY_SLO = SLO(ttft_s=2.0, tpot_s=0.04)
+STUDY_SCHEDULER = SchedulerConfig(max_model_len=4096, max_num_batched_tokens=2048)
+STUDY_DEPLOYMENTS = ((0, STUDY_GPUS), (1, 3), (2, 2), (3, 1))   # (x, y); x = 0: colocated
+
+
+def study_cache_config() -> CacheConfig:
+    """Each GPU's pool: the blocks of 16 that Llama-2-7B leaves on 80 GB at 0.9 utilization."""
+    budget = plan_kv_cache(get_preset(STUDY_MODEL), 80.0, gpu_memory_utilization=0.9)
+    return CacheConfig(block_size=16, num_gpu_blocks=budget.num_gpu_blocks)
+
+
+def run_deployment(trace: Sequence[TraceRequest], x: int, y: int,
+                   decode_scheduler_config: SchedulerConfig | None = None) -> DeploymentResult:
+    """The study's deployment ``xPyD`` on ``trace`` (``x = 0``: ``y`` colocated engines)."""
+    if x == 0:
+        return replay_colocated(trace, y, STUDY_SCHEDULER, study_cache_config())
+    return replay_disaggregated(trace, x, y, STUDY_SCHEDULER, study_cache_config(),
+                                link=KVLink(), decode_scheduler_config=decode_scheduler_config)
+
+
+def study_workloads(num_prefill_heavy: int = 200, num_decode_heavy: int = 400
+                    ) -> dict[str, tuple[Callable[[float], list[TraceRequest]], float]]:
+    """The study's two workloads: name -> (the trace at a rate, the rate of its table)."""
+    return {"prefill-heavy (in 1200-3600, out 24-72, bursty)":
+            (lambda rate: prefill_heavy(num_prefill_heavy, rate=rate), 6.0),
+            "decode-heavy (in 64-192, out 256-768, Poisson)":
+            (lambda rate: decode_heavy(num_decode_heavy, rate=rate), 30.0)}
+
+
+def tuning_row_study(num_prefill_heavy: int = 200, num_decode_heavy: int = 400
+                     ) -> dict[str, list[DeploymentResult]]:
+    """Every study deployment on both workloads at their table's rate."""
+    out = {}
+    for name, (make, rate) in study_workloads(num_prefill_heavy, num_decode_heavy).items():
+        trace = make(rate)
+        out[name] = [run_deployment(trace, x, y) for x, y in STUDY_DEPLOYMENTS]
+    return out
+
+
 # ------------------------------------------------------------------- the capacity side
 class DecodeNodeCapacity(NamedTuple):
     """How many decodes one decode node holds, paged vs a static reservation per request."""

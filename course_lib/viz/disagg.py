@@ -1,0 +1,95 @@
+"""Chapter 13's pictures of prefill/decode disaggregation.
+
+* :func:`draw_request_path`: one request's path across the processes of a
+  :class:`~course_lib.parallel.disagg.DisaggCluster` (a lane per process, the proxy's
+  included), from its :meth:`~course_lib.parallel.disagg.DisaggCluster.timeline`.
+* :func:`draw_deployments`: the model-free replay's figures
+  (:mod:`course_lib.sim.disagg_replay`): TTFT, ITL and goodput of each deployment, one
+  column of panels per workload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from matplotlib.figure import Figure
+
+from ..parallel.disagg import Hop
+from ..sim.disagg_replay import SLO, DeploymentResult
+
+LANE_COLORS = {"proxy": "#636363", "prefill": "#3182bd", "decode": "#e6550d"}
+
+
+def _lane_color(lane: str) -> str:
+    return LANE_COLORS[lane.split()[0]]
+
+
+def draw_request_path(hops: Sequence[Hop], title: str = "one request across the processes"
+                      ) -> Figure:
+    """A lane per process the request touched (proxy on top, then the prefill engines, then
+    the decode engines), a dot per moment, labelled; times in milliseconds from its first
+    moment. Arrows join consecutive moments on different lanes (a message between them)."""
+    if not hops:
+        raise ValueError("no moments to draw: pass cluster.timeline(request_id)")
+    hops = sorted(hops, key=lambda h: h.t)
+    order = {"proxy": 0, "prefill": 1, "decode": 2}
+    lanes = sorted({h.where for h in hops}, key=lambda w: (order[w.split()[0]], w))
+    y = {w: len(lanes) - 1 - i for i, w in enumerate(lanes)}
+    t0 = hops[0].t
+    fig = Figure(figsize=(9.3, 1.1 + 0.9 * len(lanes)))
+    ax = fig.subplots()
+    for i, h in enumerate(hops):
+        x = (h.t - t0) * 1e3
+        ax.plot([x], [y[h.where]], "o", color=_lane_color(h.where), ms=7, zorder=3)
+        ax.annotate(h.what, (x, y[h.where]), xytext=(0, 9 if i % 2 == 0 else -15),
+                    textcoords="offset points", fontsize=9, ha="center")
+        if i and hops[i - 1].where != h.where:
+            px = (hops[i - 1].t - t0) * 1e3
+            ax.annotate("", xy=(x, y[h.where]), xytext=(px, y[hops[i - 1].where]),
+                        arrowprops={"arrowstyle": "->", "color": "#999999", "lw": 0.8})
+    ax.set_yticks(list(y.values()), list(y.keys()), fontsize=9)
+    ax.set_ylim(-0.7, len(lanes) - 0.3)
+    span = max((hops[-1].t - t0) * 1e3, 1.0)
+    ax.set_xlim(-0.08 * span, 1.12 * span)
+    ax.set_xlabel("milliseconds since the proxy sent it", fontsize=9)
+    ax.tick_params(axis="x", labelsize=9)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", lw=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def draw_deployments(results: dict[str, Sequence[DeploymentResult]], slo: SLO) -> Figure:
+    """Per workload (a column), per deployment (a bar): TTFT mean and p99, ITL mean and p99,
+    and the share of requests meeting ``slo``."""
+    if not results:
+        raise ValueError("no results to draw")
+    fig = Figure(figsize=(9.3, 6.6))
+    axes = fig.subplots(3, len(results), squeeze=False)
+    for col, (workload, rows) in enumerate(results.items()):
+        names = [r.name for r in rows]
+        xs = range(len(rows))
+        s = [r.summary(slo) for r in rows]
+        panels = (("TTFT (s)", "ttft_mean_s", "ttft_p99_s", 1.0),
+                  ("ITL (ms)", "itl_mean_s", "itl_p99_s", 1e3))
+        for row, (label, mean, p99, scale) in enumerate(panels):
+            ax = axes[row][col]
+            ax.bar([x - 0.2 for x in xs], [v[mean] * scale for v in s], 0.4, label="mean",
+                   color="#9ecae1")
+            ax.bar([x + 0.2 for x in xs], [v[p99] * scale for v in s], 0.4, label="p99",
+                   color="#08519c")
+            ax.set_ylabel(label, fontsize=9)
+            ax.set_yscale("log")
+            ax.set_xticks(list(xs), [""] * len(rows))
+            ax.tick_params(labelsize=9)
+            if row == 0:
+                ax.set_title(workload, fontsize=10)
+                ax.legend(fontsize=9)
+        ax = axes[2][col]
+        ax.bar(list(xs), [100 * r.slo_attainment(slo) for r in rows], color="#31a354")
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("% in SLO", fontsize=9)
+        ax.set_xticks(list(xs), names, fontsize=9)
+        ax.tick_params(labelsize=9)
+    fig.tight_layout()
+    return fig
