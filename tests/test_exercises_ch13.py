@@ -95,3 +95,18 @@ def test_a_learner_exception_or_a_bool_is_a_verdict():
     assert "raised KeyError" in ch13.check_blocks_to_store(
         lambda *a: {}["x"]).first_problem
     assert not ch13.check_num_new_matched_tokens(lambda *a: True).ok
+
+
+@pytest.mark.parametrize("num_layers", [1, 3, 8])
+def test_13_3_the_reference_follows_the_pipelining_formulas(num_layers):
+    """Sent in the forward's order, the first forward ends at send + L * layer when the link
+    is the faster (each layer waits only for the one before it), at L * send + layer when
+    the link is the slower (each layer waits for its K/V); sent in reverse, at L * send +
+    L * layer: the forward waits for the last layer sent, layer 0. Waiting for every layer
+    (the course's connector, and NIXL's) costs the reversed order's time whatever the order."""
+    forward = list(range(num_layers))
+    assert ch13.first_forward_done(forward, 0.5, 1.0) == 0.5 + num_layers * 1.0
+    assert ch13.first_forward_done(forward, 2.0, 1.0) == num_layers * 2.0 + 1.0
+    assert ch13.first_forward_done(forward[::-1], 1.0, 1.0) == 2.0 * num_layers
+    assert solutions.first_forward_done(forward[::-1], 0.5, 3.0) == \
+        ch13.first_forward_done(forward[::-1], 0.5, 3.0)

@@ -1,5 +1,6 @@
-"""Chapter 13 exercises: what a CPU offload tier stores after a step (13.1), and how many
-tokens it reports for a partly offloaded prefix (13.2).
+"""Chapter 13 exercises: what a CPU offload tier stores after a step (13.1), how many
+tokens it reports for a partly offloaded prefix (13.2), and when a decode engine's first
+forward can finish while a prefill engine's layers are still arriving (13.3).
 
 References run the library's :class:`~course_lib.engine.cpu_offload.CPUOffloadConnector` on
 the same input: its ``build_connector_meta`` (the stores of one scheduled sequence) and its
@@ -213,6 +214,89 @@ def _counts_every_held(block_hashes, tier, num_tokens, gpu, bs):
                     if block_hashes[i] in tier)
 
 
+# ------------------------------------------------------------------ 13.3
+def first_forward_done(order: Sequence[int], send_s: float, layer_s: float) -> float:
+    """Reference: the decode side's first forward, run event by event. The prefill side sends
+    one layer at a time, in ``order``, each taking ``send_s`` on the link (the first starts at
+    0); the forward runs layers 0, 1, ... in turn, each taking ``layer_s`` once its K/V is in
+    (``wait_for_layer_load``) and the layer before it is done. Returns when it finishes."""
+    arrived = {}
+    clock = 0.0
+    for layer in order:                        # the link: one send after another
+        clock += send_s
+        arrived[layer] = clock
+    done = 0.0
+    for layer in range(len(order)):            # the forward: layer by layer
+        start = max(done, arrived[layer])
+        done = start + layer_s
+    return done
+
+
+def _order_cases() -> list[tuple]:
+    cases = [([0, 1, 2], 1.0, 1.0),           # sent in the forward's order
+             ([2, 1, 0], 1.0, 1.0),           # reversed: the forward waits for the last
+             ([0, 1, 2], 2.0, 1.0),           # a slow link: each layer waits for its K/V
+             ([0, 1, 2], 1.0, 2.0),           # a slow layer: the forward lags the link
+             ([1, 0, 2, 3], 0.5, 0.25),
+             ([0], 3.0, 0.5)]                 # one layer
+    rng = random.Random(133)
+    for _ in range(30):
+        n = rng.randrange(1, 9)
+        order = list(range(n))
+        if rng.random() < 0.7:
+            rng.shuffle(order)
+        cases.append((order, rng.choice([0.25, 0.5, 1.0, 2.0]),
+                      rng.choice([0.25, 0.5, 1.0, 3.0])))
+    return cases
+
+
+def _order_text(case: tuple) -> str:
+    order, send_s, layer_s = case
+    return f"order {order}, send_s {send_s}, layer_s {layer_s}"
+
+
+def check_first_forward_done(fn: Callable[..., float]) -> Verdict:
+    """13.3: the learner's finishing time against the event-by-event reference."""
+    def judge(case: tuple, got) -> str | None:
+        want = first_forward_done(*case)
+        if isinstance(got, int | float) and not isinstance(got, bool) and \
+                abs(got - want) <= 1e-9 * max(1.0, abs(want)):
+            return None
+        order, send_s, _ = case
+        arrive = {layer: (k + 1) * send_s for k, layer in enumerate(order)}
+        return (f"{_order_text(case)}: yours {got!r}, the forward finishes at {want:g} "
+                f"(layer 0's K/V arrives at {arrive[0]:g}, the last layer's at "
+                f"{arrive[len(order) - 1]:g})")
+
+    return judge_cases("13.3 first_forward_done", fn, _order_cases(), returns(judge),
+                       _order_text)
+
+
+def _ignores_arrival(order, send_s, layer_s):
+    """Wrong: the forward never waits for the link."""
+    return len(order) * layer_s
+
+
+def _layers_in_parallel(order, send_s, layer_s):
+    """Wrong: each layer starts when its K/V arrives, not after the layer before it."""
+    return max((k + 1) * send_s for k in range(len(order))) + layer_s
+
+
+def _parallel_link(order, send_s, layer_s):
+    """Wrong: every layer arrives after one send_s (the link carries them all at once)."""
+    return send_s + len(order) * layer_s
+
+
+def _ignores_order(order, send_s, layer_s):
+    """Wrong: layer l arrives (l + 1) * send_s, whatever the order."""
+    return solutions.first_forward_done(list(range(len(order))), send_s, layer_s)
+
+
+def _waits_for_all(order, send_s, layer_s):
+    """Wrong: the forward starts once every layer is in (no layer-by-layer pipelining)."""
+    return len(order) * send_s + len(order) * layer_s
+
+
 EXERCISES = Exercises(
     Exercise("13.1", "blocks_to_store", check_blocks_to_store, hints=(
         "Number the sequence's blocks from 0: block i holds tokens i * block_size to "
@@ -261,6 +345,30 @@ EXERCISES = Exercises(
         "CPUOffloadConnector.get_num_new_matched_tokens in course_lib/engine/cpu_offload.py, "
         "then vLLM 0.33.0's SimpleCPUOffloadScheduler.get_num_new_matched_tokens in "
         "vllm/v1/simple_kv_offload/manager.py")),
+    Exercise("13.3", "first_forward_done", check_first_forward_done, hints=(
+        "Two clocks: the link's, on which the layers arrive one after another in `order`, "
+        "and the forward's, which runs layers 0, 1, 2, ... in turn.",
+        "The k-th layer sent arrives at (k + 1) * send_s: note when each *layer* arrives, "
+        "then walk the layers in the forward's order.",
+        "Layer l starts at the later of (its K/V arrived, layer l - 1 finished) and takes "
+        "layer_s; the answer is when the last layer finishes.",
+    ), solution=solutions.first_forward_done, rules=(
+        Rule("a layer's attention waits for its K/V (wait_for_layer_load)",
+             "order [0, 1, 2], send_s 2.0, layer_s 1.0", _ignores_arrival),
+        Rule("the forward runs its layers one after another",
+             "order [0, 1, 2], send_s 1.0, layer_s 2.0", _layers_in_parallel),
+        Rule("the link sends one layer at a time",
+             "order [0, 1, 2], send_s 2.0, layer_s 1.0", _parallel_link),
+        Rule("the layers arrive in the order they are sent",
+             "order [2, 1, 0], send_s 1.0, layer_s 1.0", _ignores_order),
+        Rule("the forward need not wait for every layer before it starts",
+             "order [0, 1, 2], send_s 1.0, layer_s 1.0", _waits_for_all),
+    ), trivial=(lambda *a: None, lambda *a: 0.0), compare_with=(
+        "KVConnectorBase_V1.wait_for_layer_load in course_lib/engine/kv_connector.py (the "
+        "course's model runner waits for every layer before the forward), then vLLM 0.33.0's "
+        "wait_for_layer_load and save_kv_layer in "
+        "vllm/distributed/kv_transfer/kv_connector/v1/base.py, called from inside each "
+        "attention layer (vllm/model_executor/layers/attention/kv_transfer_utils.py)")),
 )
 
 

@@ -23,3 +23,15 @@ def num_new_matched_tokens(block_hashes, tier, num_tokens, gpu_hit_tokens, block
             break
         n += 1
     return n * block_size
+
+
+def first_forward_done(order, send_s, layer_s):
+    # when each layer's K/V arrives: the k-th one sent, after k + 1 sends on one link
+    arrives = [0.0] * len(order)
+    for k, layer in enumerate(order):
+        arrives[layer] = (k + 1) * send_s
+    # the forward: layer l starts once its K/V is in and layer l - 1 is done
+    done = 0.0
+    for layer in range(len(order)):
+        done = max(done, arrives[layer]) + layer_s
+    return done
