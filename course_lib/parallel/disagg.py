@@ -42,6 +42,11 @@ from ..sequence import SamplingParams
 from .launch import _die_with_parent, _kill_group, free_port
 
 ROLES = ("kv_producer", "kv_consumer")
+#: how long one gloo message may wait for its peer. The prefill engines' threads wait for read
+#: requests for as long as the cluster lives (a learner may pause for an hour), so this is long;
+#: a peer that dies is noticed at once anyway (its connection closes), and the proxy bounds
+#: starting and each generate() by its own timeout_s.
+MESSAGE_TIMEOUT_S = 24 * 3600.0
 
 
 @dataclass
@@ -89,7 +94,7 @@ class EngineDied(RuntimeError):
 
 
 def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port: int,
-                 conn: Any, parent_pid: int, timeout_s: float) -> None:
+                 conn: Any, parent_pid: int) -> None:
     """Body of one engine process: join the world, build the engine and its connector, meet
     the peers, then serve the proxy's messages and step while there is work."""
     _die_with_parent(parent_pid)
@@ -107,7 +112,7 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=spec.rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=MESSAGE_TIMEOUT_S))
         model = load_tiny_model(dtype=getattr(torch, spec.dtype))
         connector = P2PConnector(spec.kv_role, spec.rank,
                                  abort_timeout_s=spec.abort_timeout_s,
@@ -233,7 +238,7 @@ class DisaggCluster:
                 proc = ctx.Process(target=_engine_main, daemon=True,
                                    name=f"{spec.kv_role}-{spec.rank}",
                                    args=(spec, len(self.specs), self.roles, port, child,
-                                         os.getpid(), self.timeout_s))
+                                         os.getpid()))
                 proc.start()
                 child.close()
                 self._procs.append(proc)
