@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ..parallel.disagg import Hop
 from ..sim.disagg_replay import SLO, DeploymentResult
@@ -24,11 +25,36 @@ def _lane_color(lane: str) -> str:
     return LANE_COLORS[lane.split()[0]]
 
 
+def _messages(hops: Sequence[Hop]) -> list[tuple[int, int]]:
+    """(from, to) indices of the moments a message joins: the proxy's sends to an engine, a
+    prefill engine's answer to the proxy, the decode side's read request, the blocks sent."""
+    def next_on(i: int, ok) -> int | None:
+        return next((j for j in range(i + 1, len(hops)) if ok(hops[j])), None)
+
+    pairs = []
+    for i, h in enumerate(hops):
+        j = None
+        if h.where == "proxy" and h.what.startswith("sent to "):
+            lane = h.what.removeprefix("sent to ")
+            j = next_on(i, lambda g, lane=lane: g.where == lane)
+        elif h.what.startswith("prefill done"):
+            j = next_on(i, lambda g: g.where == "proxy")
+        elif h.what == "read request":
+            j = next_on(i, lambda g: g.where.startswith("prefill") and g.what == "send")
+        elif h.what == "send":
+            j = next_on(i, lambda g: g.where.startswith("decode")
+                        and g.what in ("loaded", "load failed"))
+        if j is not None:
+            pairs.append((i, j))
+    return pairs
+
+
 def draw_request_path(hops: Sequence[Hop], title: str = "one request across the processes"
                       ) -> Figure:
     """A lane per process the request touched (proxy on top, then the prefill engines, then
     the decode engines), a dot per moment, labelled; times in milliseconds from its first
-    moment. Arrows join consecutive moments on different lanes (a message between them)."""
+    moment. Arrows are the messages between them: the proxy's requests and the prefill
+    engine's answer, the decode side's read request, the blocks."""
     if not hops:
         raise ValueError("no moments to draw: pass cluster.timeline(request_id)")
     hops = sorted(hops, key=lambda h: h.t)
@@ -38,15 +64,17 @@ def draw_request_path(hops: Sequence[Hop], title: str = "one request across the 
     t0 = hops[0].t
     fig = Figure(figsize=(9.3, 1.1 + 0.9 * len(lanes)))
     ax = fig.subplots()
-    for i, h in enumerate(hops):
+    seen: dict[str, int] = {}
+    for h in hops:                    # labels above and below their dot, in turn per lane
+        k = seen[h.where] = seen.get(h.where, -1) + 1
         x = (h.t - t0) * 1e3
         ax.plot([x], [y[h.where]], "o", color=_lane_color(h.where), ms=7, zorder=3)
-        ax.annotate(h.what, (x, y[h.where]), xytext=(0, 9 if i % 2 == 0 else -15),
+        ax.annotate(h.what, (x, y[h.where]), xytext=(0, 9 if k % 2 == 0 else -15),
                     textcoords="offset points", fontsize=9, ha="center")
-        if i and hops[i - 1].where != h.where:
-            px = (hops[i - 1].t - t0) * 1e3
-            ax.annotate("", xy=(x, y[h.where]), xytext=(px, y[hops[i - 1].where]),
-                        arrowprops={"arrowstyle": "->", "color": "#999999", "lw": 0.8})
+    for i, j in _messages(hops):
+        ax.annotate("", xy=((hops[j].t - t0) * 1e3, y[hops[j].where]),
+                    xytext=((hops[i].t - t0) * 1e3, y[hops[i].where]),
+                    arrowprops={"arrowstyle": "->", "color": "#999999", "lw": 0.8})
     ax.set_yticks(list(y.values()), list(y.keys()), fontsize=9)
     ax.set_ylim(-0.7, len(lanes) - 0.3)
     span = max((hops[-1].t - t0) * 1e3, 1.0)
@@ -60,8 +88,9 @@ def draw_request_path(hops: Sequence[Hop], title: str = "one request across the 
 
 
 def draw_deployments(results: dict[str, Sequence[DeploymentResult]], slo: SLO) -> Figure:
-    """Per workload (a column), per deployment (a bar): TTFT mean and p99, ITL mean and p99,
-    and the share of requests meeting ``slo``."""
+    """Per workload (a column), per deployment (a bar): TTFT mean and p99, ITL mean and p99
+    (log scales: they span decades), and goodput under ``slo`` (requests meeting it per
+    second), each bar labelled with the share of requests that met it."""
     if not results:
         raise ValueError("no results to draw")
     fig = Figure(figsize=(9.3, 6.6))
@@ -80,15 +109,22 @@ def draw_deployments(results: dict[str, Sequence[DeploymentResult]], slo: SLO) -
                    color="#08519c")
             ax.set_ylabel(label, fontsize=9)
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
             ax.set_xticks(list(xs), [""] * len(rows))
             ax.tick_params(labelsize=9)
             if row == 0:
                 ax.set_title(workload, fontsize=10)
                 ax.legend(fontsize=9)
         ax = axes[2][col]
-        ax.bar(list(xs), [100 * r.slo_attainment(slo) for r in rows], color="#31a354")
-        ax.set_ylim(0, 105)
-        ax.set_ylabel("% in SLO", fontsize=9)
+        good = [r.goodput(slo) for r in rows]
+        ax.bar(list(xs), good, color="#31a354")
+        for x, r, g in zip(xs, rows, good, strict=True):
+            ax.annotate(f"{r.slo_attainment(slo):.0%}", (x, g), xytext=(0, 2),
+                        textcoords="offset points", ha="center", fontsize=9)
+        ax.set_ylim(0, 1.2 * max(good + [1e-9]))
+        ax.set_ylabel("goodput (req/s)", fontsize=9)
         ax.set_xticks(list(xs), names, fontsize=9)
         ax.tick_params(labelsize=9)
     fig.tight_layout()

@@ -69,15 +69,25 @@ KV_TRANSFER_MAP: tuple[MapRow, ...] = (
            "made a connector by `vllm/config/vllm.py` (`_post_init_kv_transfer_config`)",
            "`srt/arg_groups/fields/memory.py` (`enable_hierarchical_cache`, `hicache_ratio` "
            "of the device pool, `hicache_size` in GB, `hicache_write_policy`)"),
-    MapRow("section 4 (to come)",
+    MapRow("`course_lib/engine/p2p_connector.py` (`P2PConnector`, `KVLayout`), "
+           "`course_lib/parallel/disagg.py` (`DisaggCluster`)",
            "P/D disaggregation: the prefill side's blocks sent to blocks the decode side "
-           "allocated",
+           "allocated, a proxy routing each request from one to the other; engines whose "
+           "caches differ refused when they connect",
            "`vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py` "
            "(`kv_transfer_params`: `do_remote_decode`, `do_remote_prefill`, "
            "`remote_block_ids`; `delay_free_blocks`), "
            "`vllm/distributed/kv_transfer/kv_connector/v1/nixl/push_scheduler.py`",
            "`srt/disaggregation/prefill.py`, `srt/disaggregation/decode.py`, "
            "`srt/disaggregation/base/conn.py` (`BaseKVSender`, `BaseKVReceiver`)"),
+    MapRow("`course_lib/sim/disagg_replay.py` (`replay_colocated`, `replay_disaggregated`, "
+           "`max_goodput_rate`)",
+           "colocated against xPyD on the same GPUs, replayed without a model: requests "
+           "routed to the least loaded engine, goodput under an SLO",
+           "`vllm/v1/engine/core_client.py` (`DPLBAsyncMPClient`: the data-parallel load "
+           "balancer), `vllm/benchmarks/serve.py` (`request_goodput`)",
+           "`srt/managers/data_parallel_controller.py` (`DataParallelController`, "
+           "`LoadBalanceMethod`); goodput in `benchmark/goodput.py` (`calculate_goodput`)"),
 )
 
 HEADER = ("| `course_lib` | what | vLLM 0.33.0 | SGLang 0.5.23 |\n"
