@@ -5,15 +5,16 @@ bytes (printed, never asserted).
 Two workloads (``course_lib.engine.offload_study``): the multi-turn chat of chapter 12 (a
 round sends one turn of every conversation at once, each prompt the whole conversation so
 far) and a RAG-like trace (one or two of a few shared documents plus a question, a few
-requests at once). Per workload and configuration: the GPU prefix-cache hit rate, the CPU
-tier's hit rate, the prompt tokens computed and how many fewer than with no offload, TTFT
+requests at once). Per workload and configuration: the shares of the prompt tokens looked up
+that the GPU prefix cache found and that the CPU tier loaded (one denominator: they add up),
+the prompt tokens computed and how many fewer than with no offload, TTFT
 (mean and p99 on the engine's clock: by default this process's CPU seconds, so the load of
 other processes on a shared machine does not count, ``--clock wall`` for wall-clock seconds;
 the median over ``--repeats`` interleaved runs), the engine steps, preemptions, V0's swapped
 blocks, the tier's stored, loaded and evicted blocks, and whether every answer's tokens
 equal the no-offload run's (greedy; seeded sampling checked too). Then the sweep chapter 13
-plots: the tier's hit rate and the prefill it saves as the GPU pool shrinks, beside a pool
-that holds everything.
+plots (``offload_study.sweep``, here with one tier size): the tier's hits and the prefill it
+saves as the GPU pool shrinks, beside a pool that holds everything.
 
     python bench/offload.py            # about a minute of CPU time
     python bench/offload.py --quick    # small sizes, for a smoke test
@@ -37,6 +38,7 @@ from course_lib.engine.cpu_offload import GiB  # noqa: E402
 from course_lib.engine.offload_study import (  # noqa: E402
     BLOCK_SIZE,
     CONFIGS,
+    OffloadRow,
     OffloadWorkload,
     compare,
     make_engine,
@@ -91,16 +93,17 @@ def table(model, workload: OffloadWorkload, gpu_blocks: int, cpu_blocks: int,
 
 def print_sweep(model, workload: OffloadWorkload, sizes: list[int], cpu_blocks: int,
                 fits: int) -> None:
-    rows = sweep(model, workload, [fits, *sizes], cpu_blocks)
-    floor = rows[0].prefill_no_offload                 # nothing evicted: the least prefill
+    rows = sweep(model, workload, [fits, *sizes], [cpu_blocks])
+    pairs: list[tuple[OffloadRow, OffloadRow]] = list(zip(rows[::2], rows[1::2], strict=True))
+    floor = pairs[0][0].prefill_tokens                 # nothing evicted: the least prefill
     print(f"  {'GPU blocks':>10} {'GPU hit':>7} {'CPU hit':>7} {'prefill, none':>13} "
           f"{'with tier':>9} {'saved':>6} {'gap closed':>10} {'same tokens':>11}")
-    for r in rows:
-        gap = r.prefill_no_offload - floor
+    for plain, r in pairs:
+        gap = plain.prefill_tokens - floor
         closed = f"{r.prefill_saved / gap:.0%}" if gap > 0 else "-"
         note = "  (holds everything)" if r.gpu_blocks == fits else ""
         print(f"  {r.gpu_blocks:>10} {pct(r.gpu_hit_rate):>7} {pct(r.cpu_hit_rate):>7} "
-              f"{r.prefill_no_offload:>13} {r.prefill_with_tier:>9} {r.prefill_saved:>6} "
+              f"{plain.prefill_tokens:>13} {r.prefill_tokens:>9} {r.prefill_saved:>6} "
               f"{closed:>10} {'yes' if r.same_tokens else 'NO':>11}{note}")
 
 
@@ -123,7 +126,7 @@ def main() -> None:
     else:
         chat, rag = OffloadWorkload("chat", num=8, turns=5), OffloadWorkload("rag", num=36)
         sizes, repeats = [64, 48, 32, 24], args.repeats
-    block_bytes = make_engine(model, CONFIGS[0], 8, 0).runner.kv_bytes_per_block
+    block_bytes = make_engine(model, 8).runner.kv_bytes_per_block
     cpu_bytes = args.cpu_blocks * block_bytes
     print(f"machine: {machine()}; torch threads 1; {datetime.date.today()}")
     print(f"blocks of {BLOCK_SIZE} tokens ({block_bytes} bytes, all layers, K and V); GPU pool "
@@ -133,6 +136,9 @@ def main() -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"TTFT: arrival -> first token, seconds of {CLOCKS[args.clock]} (machine-dependent), "
           f"median of {repeats} interleaved run(s); counts are exact and the same in every run")
+    print("GPU hit, CPU hit: shares of the prompt tokens looked up (every admission, "
+          "re-admissions after a preemption included) found in the GPU pool and loaded from "
+          "the CPU tier: they add up; the rest was computed")
     print("V0 + swap: V0's prefix cache (GPU only) and swap preemption; its swap space holds "
           "preempted running sequences, never a prefix for another request; 'saved' is "
           "against V1 with no offload")

@@ -71,7 +71,8 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     prefix_cache: str = "hash"
     #: vLLM 0.33.0's ``kv_offloading_size`` (GiB of CPU memory for a KV offload tier, V1 only:
-    #: ``course_lib.engine.cpu_offload``); None: no tier. Not ``cpu_offload_gib`` (weights).
+    #: ``course_lib.engine.cpu_offload``); None: no tier. Not ``cpu_offload_gb`` (weights,
+    #: ``vllm/config/offload.py``).
     kv_offloading_size: float | None = None
 
     def __post_init__(self) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from course_lib.engine.cpu_offload import CPUOffloadConnector
-from course_lib.engine.offload_sweep import make_engine, run_prompts
+from course_lib.engine.offload_study import make_engine, run_prompts
 from course_lib.exercises import ch13
 from course_lib.exercises.solutions import ch13 as solutions
 from course_lib.model.loader import load_tiny_model
@@ -60,7 +60,7 @@ class Watching(CPUOffloadConnector):
 
 def test_the_solutions_are_what_a_real_run_stores_and_loads():
     model = load_tiny_model()
-    engine = make_engine(model, 16, Watching(64))
+    engine = make_engine(model, 16, tier=Watching(64))
     prompts = [list(range(3, 43)), list(range(100, 140)), list(range(3, 43)) + [9, 9, 9]]
     runs = run_prompts(engine, prompts, SamplingParams(max_tokens=6, temperature=0.0))
     # the returning prompt: some blocks left on the GPU, the rest in the tier (a partly

@@ -17,6 +17,7 @@
 * ``cpu_offload``   a CPU offload tier behind it (``kv_offloading_size``), keyed by V1's hashes
 * ``kv_connector_trace``  the CPU tier recording every interface call, and the calls printed
                     step by step, scheduler side beside worker side (chapter 13)
-* ``offload_sweep`` the CPU tier measured: a multi-turn chat at several GPU pool sizes, with and
-                    without a tier (chapter 13)
+* ``offload_study`` the CPU tier measured: a multi-turn chat and a RAG-like trace through no
+                    offload, the tier and V0's swap, swept over GPU pool x tier sizes, and
+                    prompts run one at a time (``bench/offload.py``, chapter 13)
 """

@@ -5,8 +5,8 @@ and ``offloading/``), in one page.
 The GPU pool is the first tier of the prefix cache; when it is full, vLLM V1 evicts cached
 blocks (least recently used first) and a later request that shares the prefix recomputes
 it. With ``CacheConfig.kv_offloading_size`` (GiB, vLLM's knob in ``vllm/config/cache.py``;
-``cpu_offload_gib`` is something else: *weights* kept in CPU memory) a second tier holds
-copies of full prefix blocks in CPU memory:
+``cpu_offload_gb`` in ``vllm/config/offload.py`` is something else: *weights* kept in CPU
+memory) a second tier holds copies of full prefix blocks in CPU memory:
 
 * **Store when computed.** Every full block a step computes is copied to the CPU tier after
   the forward (``save_kv_layer``), keyed by the same block hash V1's prefix cache uses
@@ -67,7 +67,9 @@ def num_offload_blocks(kv_offloading_size: float, block_bytes: int) -> int:
 
 class CPUBlockPool:
     """The CPU tier's blocks: which block holds which hash, least recently used first
-    (vLLM's ``LRUOffloadingManager`` in ``vllm/v1/kv_offload/``, reduced to one medium).
+    (vLLM 0.33.0's ``CPUOffloadingManager`` in ``vllm/v1/kv_offload/cpu/manager.py`` with its
+    default policy, ``LRUCachePolicy`` in ``vllm/v1/kv_offload/cpu/policies/lru.py``, reduced
+    to one medium).
 
     ``hash_to_block`` is ordered by use (a hit or a store moves a hash to the end);
     ``free_blocks`` are the blocks holding nothing."""
