@@ -173,3 +173,33 @@ def test_bad_inputs_raise_naming_the_value(call, name):
     trace = decode_heavy(2)
     with pytest.raises(ValueError, match=name):
         call(trace)
+
+
+def test_the_chapter_draws_the_study_and_a_request_path_readably():
+    """Chapter 13's two figures: readable at 100% zoom, the request's moments all listed, the
+    messages found between them; an empty input is refused."""
+    from test_viz_readability import NOTEBOOK_PX
+
+    from course_lib.parallel.disagg import Hop
+    from course_lib.sim.disagg_replay import STUDY_SLO, decode_heavy, run_deployment
+    from course_lib.viz.disagg import _messages, draw_deployments, draw_request_path
+    from course_lib.viz.readable import EXPLORER_DPI, MIN_FONT_PT, shown_font_pt
+
+    hops = [Hop(0.0, "proxy", "sent to prefill 0"),
+            Hop(0.020, "prefill 0", "prefill done, first token sampled"),
+            Hop(0.021, "proxy", "sent to decode 0"), Hop(0.025, "decode 0", "read request"),
+            Hop(0.028, "prefill 0", "send"), Hop(0.035, "prefill 0", "sent, blocks freed"),
+            Hop(0.036, "decode 0", "loaded"), Hop(0.115, "decode 0", "finished")]
+    assert _messages(hops) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
+    fig = draw_request_path(hops[::-1])                  # any order: sorted by time
+    texts = " ".join(t.get_text() for t in fig.texts)
+    assert all(f"{n}. {h.where}: {h.what}" in texts for n, h in enumerate(hops, 1))
+    assert shown_font_pt(fig, EXPLORER_DPI, NOTEBOOK_PX) >= MIN_FONT_PT
+    trace = decode_heavy(12, rate=4.0)
+    study = {"decode-heavy": [run_deployment(trace, 0, 2), run_deployment(trace, 1, 1)]}
+    fig = draw_deployments(study, STUDY_SLO)
+    assert shown_font_pt(fig, EXPLORER_DPI, NOTEBOOK_PX) >= MIN_FONT_PT
+    with pytest.raises(ValueError, match="no moments"):
+        draw_request_path([])
+    with pytest.raises(ValueError, match="no results"):
+        draw_deployments({}, STUDY_SLO)

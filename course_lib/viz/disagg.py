@@ -52,9 +52,10 @@ def _messages(hops: Sequence[Hop]) -> list[tuple[int, int]]:
 def draw_request_path(hops: Sequence[Hop], title: str = "one request across the processes"
                       ) -> Figure:
     """A lane per process the request touched (proxy on top, then the prefill engines, then
-    the decode engines), a dot per moment, labelled; times in milliseconds from its first
-    moment. Arrows are the messages between them: the proxy's requests and the prefill
-    engine's answer, the decode side's read request, the blocks."""
+    the decode engines), a numbered dot per moment, times in milliseconds from its first
+    moment; the moments are listed by number under the lanes (close moments would hide each
+    other's labels). Arrows are the messages between them: the proxy's requests and the
+    prefill engine's answer, the decode side's read request, the blocks."""
     if not hops:
         raise ValueError("no moments to draw: pass cluster.timeline(request_id)")
     hops = sorted(hops, key=lambda h: h.t)
@@ -62,28 +63,34 @@ def draw_request_path(hops: Sequence[Hop], title: str = "one request across the 
     lanes = sorted({h.where for h in hops}, key=lambda w: (order[w.split()[0]], w))
     y = {w: len(lanes) - 1 - i for i, w in enumerate(lanes)}
     t0 = hops[0].t
-    fig = Figure(figsize=(9.3, 1.1 + 0.9 * len(lanes)))
+    rows = -(-len(hops) // 2)                      # the list: two columns
+    list_in, plot_in = 0.2 * rows + 0.75, 0.8 * len(lanes) + 0.5    # inches: list, lanes
+    height = list_in + plot_in + 0.45
+    fig = Figure(figsize=(9.3, height))
     ax = fig.subplots()
-    seen: dict[str, int] = {}
-    for h in hops:                    # labels above and below their dot, in turn per lane
-        k = seen[h.where] = seen.get(h.where, -1) + 1
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=list_in / height, top=1 - 0.45 / height)
+    for n, h in enumerate(hops, 1):
         x = (h.t - t0) * 1e3
         ax.plot([x], [y[h.where]], "o", color=_lane_color(h.where), ms=7, zorder=3)
-        ax.annotate(h.what, (x, y[h.where]), xytext=(0, 9 if k % 2 == 0 else -15),
+        ax.annotate(str(n), (x, y[h.where]), xytext=(0, 7 if n % 2 else -14),
                     textcoords="offset points", fontsize=9, ha="center")
     for i, j in _messages(hops):
         ax.annotate("", xy=((hops[j].t - t0) * 1e3, y[hops[j].where]),
                     xytext=((hops[i].t - t0) * 1e3, y[hops[i].where]),
                     arrowprops={"arrowstyle": "->", "color": "#999999", "lw": 0.8})
     ax.set_yticks(list(y.values()), list(y.keys()), fontsize=9)
-    ax.set_ylim(-0.7, len(lanes) - 0.3)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
     span = max((hops[-1].t - t0) * 1e3, 1.0)
-    ax.set_xlim(-0.08 * span, 1.12 * span)
+    ax.set_xlim(-0.04 * span, 1.04 * span)
     ax.set_xlabel("milliseconds since the proxy sent it", fontsize=9)
     ax.tick_params(axis="x", labelsize=9)
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", lw=0.3)
-    fig.tight_layout()
+    lines = [f"{n}. {h.where}: {h.what} ({(h.t - t0) * 1e3:.0f} ms)"
+             for n, h in enumerate(hops, 1)]
+    for col in range(2):
+        fig.text(0.04 + 0.48 * col, 0.02, "\n".join(lines[col * rows:(col + 1) * rows]),
+                 fontsize=9, va="bottom", ha="left")
     return fig
 
 
