@@ -125,7 +125,6 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         os._exit(1)
     seq_of: dict[int, int] = {}          # seq id -> request id, for the events
-    num_events = 0
     while True:
         while conn.poll():
             msg = conn.recv()
@@ -145,9 +144,9 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
                 conn.send(("closed", spec.rank))
                 os._exit(0)
         connector.serve_transfers()
-        events = connector.events[num_events:]
-        if events:
-            num_events = len(connector.events)
+        if connector.events:                  # to the proxy, then forgotten here
+            events = connector.events[:]
+            del connector.events[:len(events)]
             conn.send(("events", [(t, what, seq_of.get(s, -1)) for t, what, s in events]))
         if engine.has_unfinished_requests() or connector.busy():
             for out in engine.step():
