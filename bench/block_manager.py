@@ -360,9 +360,9 @@ def decode_cost(design: str, length: int, num_seqs: int = 32, tokens: int = 256)
             tok = new[i][k]
             if design == "v0":
                 m.append_decode([i], [tok])
-                computed = length + k                     # the token before this one
-                if computed % bs == 0:                    # it completed a block (_mark_computed)
-                    m.mark_blocks_as_computed(i, computed)
+                computed = length + k + 1                 # the step computes tok too
+                if computed % bs == 0:                    # tok completed a block: marked
+                    m.mark_blocks_as_computed(i, computed)  # after its step (_mark_computed)
             else:
                 toks.append(tok)
                 m.allocate_slots(i, toks, len(toks) - 1, 1)

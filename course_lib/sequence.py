@@ -224,14 +224,36 @@ class Sequence:
     # a KV connector's parameters for it (vLLM's Request.kv_transfer_params: a V1 request is
     # one sequence), read by the connector's scheduler side; None without a connector
     kv_transfer_params: dict | None = None
+    # prompt + output tokens in one list, grown beside output_token_ids (what token_ids hands
+    # out): vLLM 0.33.0's Request keeps ``_all_token_ids`` the same way (vllm/v1/request.py)
+    _all_token_ids: list[int] = field(init=False, repr=False)
 
     # a step only appends to these: a failed step's checkpoint saves their lengths
     # (course_lib/checkpoint.py), not their items
-    __rollback_append_only__ = ("output_token_ids", "output_logprobs")
+    __rollback_append_only__ = ("output_token_ids", "output_logprobs", "_all_token_ids")
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def token_ids(self) -> list[int]:
-        return [*self.prompt_token_ids, *self.output_token_ids]
+        """Prompt + output tokens: the sequence's own list, not a copy, so that reading it
+        costs O(1) whatever the length (the V1 scheduler passes it to the KV-cache manager at
+        every decode step, the model runner reads it every step). Read it, never change it:
+        it grows as :meth:`append_output_token_ids` appends, so a caller that keeps it past
+        the next token copies it. Output tokens appended to ``output_token_ids`` directly (a
+        test, an exercise) are noticed (a length or last-token mismatch) and the list is
+        rebuilt."""
+        tokens, out = self._all_token_ids, self.output_token_ids
+        if len(tokens) != len(self.prompt_token_ids) + len(out) or out and tokens[-1] != out[-1]:
+            tokens = self._all_token_ids = [*self.prompt_token_ids, *out]
+        return tokens
+
+    def append_output_token_ids(self, token_id: int) -> None:
+        """One more output token (vLLM 0.33.0's ``Request.append_output_token_ids``,
+        vllm/v1/request.py: the output list and the list of all tokens grow together)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -50,6 +50,30 @@ def test_fork_copies_outputs_not_shares_them():
     assert seq.output_token_ids == [5] and child.token_ids == [1, 2, 5, 6] and child.index == 1
 
 
+def test_token_ids_is_the_sequences_own_list_kept_in_step_with_its_outputs():
+    """``token_ids`` is handed out without a copy (O(1) per read at any length) and grows as
+    tokens are appended; outputs changed behind its back are noticed, never served stale;
+    a failed step's rollback puts both lists back together."""
+    from course_lib.checkpoint import Checkpoint
+
+    seq = Sequence(0, (1, 2, 3))
+    tokens = seq.token_ids
+    assert seq.token_ids is tokens                   # no copy per read
+    seq.append_output_token_ids(7)
+    assert tokens == [1, 2, 3, 7] and seq.token_ids is tokens and seq.output_token_ids == [7]
+    seq.output_token_ids.append(8)                   # appended directly: noticed (length)
+    assert seq.token_ids == [1, 2, 3, 7, 8]
+    seq.output_token_ids[-1] = 9                     # replaced directly: noticed (last token)
+    assert seq.token_ids == [1, 2, 3, 7, 9]
+    step = Checkpoint()
+    step.touch(seq)
+    seq.append_output_token_ids(4)
+    step.rollback()
+    assert seq.output_token_ids == [7, 9] and seq.token_ids == [1, 2, 3, 7, 9]
+    seq.append_output_token_ids(5)
+    assert seq.token_ids == [1, 2, 3, 7, 9, 5] and len(seq) == 6
+
+
 def test_request_rejects_empty_prompt_and_reports_status():
     with pytest.raises(ValueError, match="prompt"):
         Request(0, (), SamplingParams())

@@ -25,7 +25,9 @@ class ScheduledSeq:
     num_tokens: int       # tokens fed: a prefill chunk, or 1 for a decode
     is_prefill: bool
     num_candidates: int   # (token, logprob) pairs the sampler must return (0: samples nothing)
-    block_ids: list[int]  # the sequence's block table once this step's slots are reserved
+    block_ids: list[int]  # the sequence's block table once this step's slots are reserved;
+                          # maybe the manager's own list (no copy: V0's decode, V1), so
+                          # read it within the step (later steps extend it in place)
 
 
 @dataclass

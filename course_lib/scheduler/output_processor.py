@@ -90,7 +90,7 @@ def apply_step(sched: StepTarget, out: SchedulerOutput, samples: Samples, now: f
 
 
 def _append(seq: Sequence, token: int, logprob: float) -> None:
-    seq.output_token_ids.append(token)
+    seq.append_output_token_ids(token)
     seq.cumulative_logprob += logprob
 
 
@@ -166,11 +166,11 @@ def _beam_step(req: Request, entries: list[ScheduledSeq], samples: Samples, bm: 
             child = beam.fork(new_seq_id(), next_index)
             next_index += 1
             bm.fork(beam.seq_id, child.seq_id)
-            child.output_token_ids.append(token)
+            child.append_output_token_ids(token)
             child.cumulative_logprob = score
             survivors.append(child)
         score, token = chosen[0]
-        beam.output_token_ids.append(token)
+        beam.append_output_token_ids(token)
         beam.cumulative_logprob = score
         survivors.append(beam)
     req.seqs = [s for s in req.seqs if s.status == SequenceStatus.FINISHED_LENGTH_CAPPED] \

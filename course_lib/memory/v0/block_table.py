@@ -37,9 +37,6 @@ class BlockTable:
     num_cached_blocks: int = 0    # leading full blocks already offered to the prefix cache
     extra_key: Hashable = ()      # salt mixed into every block hash of this sequence
     cache_parent: tuple[int, int] | None = None  # cached block that holds block num_cached-1
-    handed_out: bool = False      # ``blocks`` itself was handed out (no copy): copy it first
-                                  # before changing it (see :meth:`writable_blocks`; only the
-                                  # fast twin, ``fast.py``, hands lists out)
 
     @property
     def num_tokens(self) -> int:
@@ -63,15 +60,16 @@ class BlockTable:
 
     def hand_out(self) -> list[int]:
         """The block ids without a copy, for a reader that holds them for one step (the
-        scheduler's ``ScheduledSeq.block_ids``): the table copies the list before it next
-        changes it, so what was handed out never changes under the reader."""
-        self.handed_out = True
+        scheduler's ``ScheduledSeq.block_ids``): the table's own list, which the sequence's
+        next change extends in place. The reader reads it before that change, or copies it
+        (the contract of V1's ``allocate_slots``, ``memory/v1/kv_cache_manager.py``): so a
+        decode step costs the same at any length, where a copy before each change would
+        cost O(blocks) for every block the sequence fills."""
         return self.blocks
 
     def writable_blocks(self) -> list[int]:
-        """``blocks``, to change in place: copied first if it was handed out."""
-        if self.handed_out:
-            self.blocks, self.handed_out = self.blocks[:], False
+        """``blocks``, to change in place (an append, the copy-on-write of the last block).
+        It is the list :meth:`hand_out` gave: its reader sees the change."""
         return self.blocks
 
     def copy(self, seq_id: int) -> BlockTable:

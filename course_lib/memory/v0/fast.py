@@ -14,9 +14,10 @@ What is faster, and why it is still the same:
 * **One decode call per request, fused** (:meth:`FastBlockManager.append_decode`): the common
   cases (a private partial last block, or a full one) are decided up front and written out;
   anything else (copy-on-write, blocks waiting to be cached, a swapped sequence) takes the
-  plain path. The block ids are handed out without a copy (``BlockTable.hand_out``): the table
-  copies its list before it next changes it, so what was handed out never changes under its
-  reader (the scheduler's ``ScheduledSeq.block_ids``, read for one step).
+  plain path. The block ids are handed out without a copy (``BlockTable.hand_out``): the
+  table's own list, which the sequence's next change extends in place, as V1's
+  ``allocate_slots`` returns its list (the scheduler's ``ScheduledSeq.block_ids``, read within
+  its step). Nothing a decode step does grows with the sequence.
 * **A prompt is hashed once** (:meth:`FastPrefixCache.hash_prompt`): the scheduler asks
   ``can_allocate`` for a prompt, maybe for several steps, then ``allocate``. ``can_allocate``
   answers from bounds when it can (room without any hit: OK; no room even if every full block
@@ -309,14 +310,13 @@ class FastBlockManager(BlockManager):
                             block = gpu.allocate()
                         except NoFreeBlocksError:        # the pool is short: preempt
                             return None
-                        table.writable_blocks().append(block)
+                        table.blocks.append(block)
                     elif gpu.ref_counts[table.blocks[-1]] != 1:
-                        return super().append_decode(seq_ids, token_ids)  # copy-on-write
+                        return self._append_decode_plain(seq_ids, token_ids)  # copy-on-write
                     tokens.append(token_ids[0])
                     if cache is not None and r == bs - 1:
                         cache.hash_blocks(table, n // bs + 1)          # it just filled up
-                    table.handed_out = True                  # BlockTable.hand_out, inlined
-                    return [], [table.blocks]
+                    return [], [table.blocks]                # BlockTable.hand_out, inlined
         elif len(seq_ids) == len(token_ids):             # a group: plan all, then grow all
             refs, plan, need = gpu.ref_counts, [], 0
             for seq_id in seq_ids:
@@ -338,11 +338,20 @@ class FastBlockManager(BlockManager):
                 for table, token in zip(plan, token_ids, strict=True):
                     tokens = table.token_ids
                     if len(tokens) % bs == 0:
-                        table.writable_blocks().append(gpu.allocate())
+                        table.blocks.append(gpu.allocate())
                     tokens.append(token)
                     if cache is not None and len(tokens) % bs == 0:
                         cache.hash_blocks(table, len(tokens) // bs)    # it just filled up
-                    table.handed_out = True                  # BlockTable.hand_out, inlined
-                    out.append(table.blocks)
+                    out.append(table.blocks)                 # BlockTable.hand_out, inlined
                 return [], out
-        return super().append_decode(seq_ids, token_ids)   # anything else: the plain path
+        return self._append_decode_plain(seq_ids, token_ids)   # anything else
+
+    def _append_decode_plain(self, seq_ids: Sequence[int], token_ids: Sequence[int]
+                             ) -> Grown | None:
+        """The plain path (copy-on-write, blocks waiting to be cached, a swapped or unknown
+        sequence: its checks and errors), the tables' own lists handed out as on the fast
+        path."""
+        grown = super().append_decode(seq_ids, token_ids)
+        if grown is None:
+            return None
+        return grown[0], [self._tables[s].blocks for s in seq_ids]

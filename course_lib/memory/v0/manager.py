@@ -398,7 +398,7 @@ class BlockManager:
         seen: set[int] = set()
         for table in tables:
             old = table.blocks
-            table.blocks, table.handed_out = [mapping[b] for b in old], False
+            table.blocks = [mapping[b] for b in old]
             table.device = dst.device
             src.release(reversed(old), self._cached if src is self.gpu else ())
             dst.touch([b for b in table.blocks if b in seen or seen.add(b)])
