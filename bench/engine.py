@@ -19,7 +19,8 @@ KV memory saved by sharing (printed, never asserted).
    design (V0, V1 over hash chains, V1 over the radix tree). The step's transaction saves
    what the step can touch, never the waiting queue, so the step time must stay within 20%;
    printed with the share of a step spent beginning the transaction (the scheduler's and the
-   block manager's snapshots).
+   block manager's snapshots); then the transaction (begin + commit) by GPU pool size, and by
+   CPU offload tier size (1k, 16k, 256k blocks, the tier full: ``--tier`` for that table alone).
 
     python bench/engine.py            # full run (a few minutes on 2 shared cores)
     python bench/engine.py --quick    # small sizes, for a smoke test
@@ -37,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from course_lib.config import CacheConfig, SchedulerConfig  # noqa: E402
+from course_lib.engine.cpu_offload import CPUOffloadConnector  # noqa: E402
+from course_lib.engine.kv_connector import KVConnectorBase_V1  # noqa: E402
 from course_lib.engine.llm_engine import LLMEngine  # noqa: E402
 from course_lib.engine.workloads import model_trace, run_static, run_trace, sharing_savings  # noqa: E402
 from course_lib.model.loader import load_tiny_model  # noqa: E402
@@ -147,18 +150,58 @@ def table_waiting_queue(model, sizes: list[int], steps: int) -> None:
                 eng._begin().commit()
                 costs.append(time.process_time() - t0)
             print(f"{label:>10} {blocks:>8,} {1e3 * statistics.median(costs):>8.3f}")
+    table_transaction_by_tier(model, [1024, 16384, 262144], steps)
+
+
+class _BookkeepingOnlyTier(CPUOffloadConnector):
+    """The CPU tier without its tensors (a 256k-block tier of the tiny model's 32 KiB blocks
+    would take 8 GiB): enough for a transaction, which saves bookkeeping only; no step runs."""
+
+    def register_kv_caches(self, kv_caches) -> None:
+        KVConnectorBase_V1.register_kv_caches(self, kv_caches)
+
+
+def table_transaction_by_tier(model, sizes: list[int], steps: int) -> None:
+    """The transaction (begin + commit) of V1 with a full CPU offload tier of each size: the
+    tier's pool saves what a step changes in it (``CPUBlockPool.attach``), so the cost must not
+    grow with the tier."""
+    import statistics
+    import time
+
+    print(f"\n   the transaction by CPU tier size (V1 + CPUOffloadConnector, the tier full; "
+          f"begin + commit, median of {steps})")
+    print(f"{'tier blocks':>12} {'ms':>8}")
+    for blocks in sizes:
+        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=256)
+        conn = _BookkeepingOnlyTier(blocks)
+        eng = LLMEngine(model, sc, CacheConfig(16, 512, enable_prefix_caching=True),
+                        stop_token_ids=(), design="v1", kv_connector=conn)
+        for i in range(blocks):                         # fill the tier
+            conn.cpu_pool.allocate(i.to_bytes(8, "little"), set())
+        for i in range(8):
+            eng.add_request([65 + i, 66, 67], SamplingParams(max_tokens=200, temperature=0.0))
+        costs = []
+        for _ in range(steps):
+            t0 = time.process_time()
+            eng._begin().commit()
+            costs.append(time.process_time() - t0)
+        print(f"{blocks:>12,} {1e3 * statistics.median(costs):>8.3f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    ap.add_argument("--tier", action="store_true",
+                    help="only the transaction by CPU tier size (section 3's last table)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"machine: {machine()}; one thread, wall-clock time")
     if not torch.cuda.is_available():
         print("no GPU here: CPU figures (the engine's batched torch attention path)")
     model = load_tiny_model()
-    if args.quick:
+    if args.tier:
+        table_transaction_by_tier(model, [1024, 16384, 262144], 5 if args.quick else 20)
+    elif args.quick:
         table_throughput(model, 24, [64])
         table_sharing(model, 6, [2])
         table_waiting_queue(model, [0, 1000], 5)

@@ -437,7 +437,8 @@ def _content(engine: LLMEngine) -> list[torch.Tensor]:
     out += [c[idx].clone() for layer in r.gpu_caches for c in layer]
     conn = getattr(engine, "kv_connector", None)
     if conn is not None:                       # the CPU tier's blocks that hold a prefix
-        idx = torch.tensor(sorted(conn.cpu_pool.hash_to_block.values()), dtype=torch.long)
+        idx = torch.tensor(sorted(b.block_id for b in conn.cpu_pool.hash_to_block.values()),
+                           dtype=torch.long)
         out += [c[idx].clone() for layer in conn.cpu_caches for c in layer]
     return out
 
@@ -448,7 +449,8 @@ def _connector_state(engine: LLMEngine):
     if conn is None:
         return None
     pool = conn.cpu_pool
-    return (list(pool.hash_to_block.items()), list(pool.free_blocks), pool.num_evictions,
+    return ([(h, pool.lookup(h)) for h in pool.lru_hashes()], sorted(pool.hash_to_block),
+            list(pool.free_blocks), pool.num_evictions,
             conn.num_queried_tokens, conn.num_hit_tokens, conn.num_loaded_blocks,
             conn.num_stored_blocks, sorted(conn._finished_recving),
             [q.seq_id for q in s.waiting_for_remote], sorted(s.finished_recving_kv_req_ids),

@@ -316,10 +316,12 @@ def test_the_parts_a_step_saves_are_everything_the_manager_owns(design, prefix_c
 def test_the_parts_a_step_saves_cover_everything_a_kv_connector_owns():
     """A KV connector's ``rollback_parts`` (saved by ``engine/rollback.begin_connector``) are
     every object it owns, the manager it is bound to aside (the manager's parts are listed
-    above), after a workload of stores, CPU hits and LRU evictions. Proven: leaving its
-    pool out is reported."""
+    above) and the CPU tier's blocks, which its pool saves itself before it first changes
+    them (``CPUBlockPool.attach``), after a workload of stores, CPU hits and LRU evictions.
+    Proven: leaving its pool out is reported, and so would be the blocks were they not
+    saved by the pool."""
     from course_lib.config import CacheConfig, SchedulerConfig
-    from course_lib.engine.cpu_offload import CPUOffloadConnector
+    from course_lib.engine.cpu_offload import CPUBlock, CPUOffloadConnector
     from course_lib.scheduler.v1 import SchedulerV1
     from course_lib.sequence import SamplingParams
     from course_lib.sim.fake_sampler import fake_samples
@@ -336,11 +338,13 @@ def test_the_parts_a_step_saves_cover_everything_a_kv_connector_owns():
         s.update_from_kv_xfer_finished(None, set(out.kv_connector_metadata.async_seq_ids))
     assert conn.num_stored_blocks and conn.num_hit_tokens and conn.cpu_pool.num_evictions
     manager = {id(o) for o in owned_objects(s.kv_cache_manager)}
-    listed = {id(o) for o in conn.rollback_parts()}
+    listed, self_saved = {id(o) for o in conn.rollback_parts()}, (CPUBlock,)
     missing = [type(o).__name__ for o in owned_objects(conn)
-               if id(o) not in listed and id(o) not in manager]
+               if id(o) not in listed and id(o) not in manager and not isinstance(o, self_saved)]
     assert not missing, f"objects of the connector a step may change but does not save: {missing}"
-    assert any(id(o) not in {id(conn)} and id(o) not in manager for o in owned_objects(conn))
+    owned = [o for o in owned_objects(conn) if id(o) not in manager]
+    assert any(id(o) not in {id(conn)} and not isinstance(o, self_saved) for o in owned)
+    assert any(id(o) not in listed and isinstance(o, CPUBlock) for o in owned)
 
 
 # ------------------------------------- managers that save what they change, rolled back

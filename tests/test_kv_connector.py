@@ -6,19 +6,32 @@ conversation; the other conversations evict it from the GPU meanwhile), the engi
 tier produces exactly the tokens of the engine without it (greedy and seeded sampling, the
 loads synchronous or through ``WAITING_FOR_REMOTE_KVS``), loads blocks from the CPU instead
 of recomputing them, and keeps its invariants after every step; a fault at any call of the
-connector rolls the step back exactly (``bench/fault_sites.py``'s harness).
+connector rolls the step back exactly (``bench/fault_sites.py``'s harness). The tier's pool,
+which saves only what a step changes in it, is put back exactly after random steps of stores,
+hits and evictions (hypothesis), and a pool that does not save is caught.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
+from hypothesis import find, given, settings
+from hypothesis import strategies as st
 from memory_helpers import load_fault_sites
 
+from course_lib.checkpoint import Checkpoint
 from course_lib.config import CacheConfig, SchedulerConfig
-from course_lib.engine.cpu_offload import CPUBlockPool, CPUOffloadConnector, num_offload_blocks
+from course_lib.engine.cpu_offload import (
+    CPUBlock,
+    CPUBlockPool,
+    CPUOffloadConnector,
+    num_offload_blocks,
+)
 from course_lib.engine.kv_connector import KVConnectorBase_V1
 from course_lib.engine.llm_engine import LLMEngine
+from course_lib.engine.rollback import begin_connector
 from course_lib.model.loader import load_tiny_model
 from course_lib.sequence import SamplingParams, SequenceStatus
 
@@ -146,8 +159,102 @@ def test_the_cpu_pool_is_an_lru_that_never_evicts_a_pinned_block():
     pool.touch(b"a")                                  # b is now the least recently used
     assert pool.allocate(b"c", set()) == (1, b"b")
     assert pool.allocate(b"d", {0, 1}) is None        # all pinned: nothing changes
-    assert list(pool.hash_to_block) == [b"a", b"c"]
+    assert pool.lru_hashes() == [b"a", b"c"] and pool.lookup(b"b") is None
     pool.check_invariants()
+
+
+# ------------------------------------------------ the tier's pool, rolled back exactly
+#: stores and hits of 10 hashes into a tier of 6 blocks (so stores evict), each store with
+#: the blocks it must not evict (a step's loads and stores)
+POOL_OPS = st.lists(st.tuples(st.sampled_from(["store", "hit"]), st.integers(0, 9),
+                              st.frozensets(st.integers(0, 5), max_size=3)), max_size=24)
+
+
+def play_pool(pool: CPUBlockPool, ops) -> None:
+    for op, key, pinned in ops:
+        h = bytes([key])
+        if op == "hit" and h in pool:
+            pool.touch(h)
+        elif op == "store" and h not in pool:
+            pool.allocate(h, set(pinned))
+
+
+def pool_state(pool: CPUBlockPool) -> tuple:
+    """All the pool is: the map, the LRU order (with the blocks), the free list, the count."""
+    return ({h: b.block_id for h, b in pool.hash_to_block.items()},
+            [(h, pool.lookup(h)) for h in pool.lru_hashes()], list(pool.free_blocks),
+            pool.num_evictions)
+
+
+def pool_rollback_restores(before, during) -> bool:
+    """Play ``before`` outside a step, then ``during`` inside one (begun as the engine begins
+    a connector's: ``engine/rollback.begin_connector``), roll it back: is the pool exactly as
+    it was, and does it play ``during`` again as a pool that never saw the step does?"""
+    conn, twin = CPUOffloadConnector(6), CPUBlockPool(6)
+    play_pool(conn.cpu_pool, before)
+    play_pool(twin, before)
+    checkpoint = Checkpoint()
+    begin_connector(checkpoint, conn)
+    play_pool(conn.cpu_pool, during)
+    checkpoint.rollback()
+    try:
+        conn.cpu_pool.check_invariants()
+    except AssertionError:
+        return False
+    if pool_state(conn.cpu_pool) != pool_state(twin):
+        return False
+    play_pool(conn.cpu_pool, during)
+    play_pool(twin, during)
+    return pool_state(conn.cpu_pool) == pool_state(twin)
+
+
+@settings(max_examples=150, deadline=None)
+@given(POOL_OPS)
+def test_the_cpu_pool_evicts_as_the_textbook_lru(ops):
+    """The linked list picks what an ``OrderedDict`` ordered by use picks (the reference: a
+    hit or a store moves a hash to the end, a full tier evicts the first one not pinned)."""
+    pool, ref, free = CPUBlockPool(6), OrderedDict(), list(range(5, -1, -1))
+    for op, key, pinned in ops:
+        h = bytes([key])
+        if op == "hit" and h in ref:
+            pool.touch(h)
+            ref.move_to_end(h)
+        elif op == "store" and h not in ref:
+            if free:
+                want = (free.pop(), None)
+            else:
+                old = next((k for k, b in ref.items() if b not in pinned), None)
+                want = None if old is None else (ref.pop(old), old)
+            if want is not None:
+                ref[h] = want[0]
+            assert pool.allocate(h, set(pinned)) == want
+        assert [(k, pool.lookup(k)) for k in pool.lru_hashes()] == list(ref.items())
+    pool.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(POOL_OPS, POOL_OPS)
+def test_a_rolled_back_step_leaves_the_cpu_pool_exactly_as_it_was(before, during):
+    assert pool_rollback_restores(before, during)
+
+
+@pytest.mark.parametrize("switched_off", ["attach", "block saves", "undo entries"])
+def test_the_rollback_test_catches_a_pool_that_does_not_save(monkeypatch, switched_off):
+    """The detector: with the pool's lazy saving switched off (no checkpoint handed to it; its
+    blocks' links not saved; its map's and free list's undos not registered), hypothesis
+    finds a step whose rollback leaves the pool changed."""
+    if switched_off == "attach":
+        monkeypatch.setattr(CPUBlockPool, "attach", lambda self, checkpoint: None)
+    elif switched_off == "block saves":
+        real_touch = Checkpoint.touch
+        monkeypatch.setattr(Checkpoint, "touch", lambda self, *objs: real_touch(
+            self, *(o for o in objs if not isinstance(o, CPUBlock))))
+    else:
+        monkeypatch.setattr(Checkpoint, "on_rollback", lambda self, undo: None)
+    before, during = find(st.tuples(POOL_OPS, POOL_OPS),
+                          lambda ops: not pool_rollback_restores(*ops),
+                          settings=settings(max_examples=2000, database=None))
+    assert during                           # a step that changed nothing is always restored
 
 
 # ------------------------------------------------------------------ delayed freeing
