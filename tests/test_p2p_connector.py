@@ -43,6 +43,7 @@ class Hub:
         self.queues: dict[tuple[int, int, int], queue.Queue] = defaultdict(queue.Queue)
         self.lock = threading.Lock()
         self.objects: dict[int, object] = {}
+        self.closed = False
 
     def queue(self, key: tuple[int, int, int]) -> queue.Queue:
         with self.lock:
@@ -66,12 +67,35 @@ class Loopback:
         self.hub.queue((self.rank, dst, tag)).put(tensor.clone())
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        tensor.copy_(self.hub.queue((src, self.rank, tag)).get(timeout=20))
+        q = self.hub.queue((src, self.rank, tag))
+        for _ in range(400):                  # 20 s, in steps that notice a closed hub
+            if self.hub.closed:
+                raise ConnectionError("the hub is closed")
+            try:
+                tensor.copy_(q.get(timeout=0.05))
+                return
+            except queue.Empty:
+                continue
+        raise TimeoutError(f"no message from rank {src} with tag {tag} in 20 s")
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_tiny_model()
+
+
+OPEN: list[tuple[Hub, list[LLMEngine]]] = []    # closed after each test (fixture below)
+
+
+@pytest.fixture(autouse=True)
+def close_pairs():
+    """Stop every pair's threads after each test: none outlives the test session."""
+    yield
+    while OPEN:
+        hub, engines = OPEN.pop()
+        hub.closed = True
+        for e in engines:
+            e.kv_connector.close()
 
 
 def make_pair(model) -> tuple[LLMEngine, LLMEngine]:
@@ -83,6 +107,7 @@ def make_pair(model) -> tuple[LLMEngine, LLMEngine]:
         hub.objects[r] = (ROLES[r], KVLayout.of(e.runner.gpu_caches))
     for e in engines:
         e.kv_connector.connect(ROLES)
+    OPEN.append((hub, engines))
     return engines[0], engines[1]
 
 

@@ -162,7 +162,8 @@ class _PeerThread:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, t: _Transfer) -> None:
+    def submit(self, t: _Transfer | None) -> None:
+        """Queue a transfer (``None``: stop once the ones before it are done)."""
         with self.ready:
             self.queue.append(t)
             self.ready.notify()
@@ -173,6 +174,8 @@ class _PeerThread:
                 while not self.queue:
                     self.ready.wait()
                 t = self.queue.popleft()
+            if t is None:
+                return
             if self.dead is not None:               # the peer is gone: fail at once
                 t.error, t.done = self.dead, True
                 continue
@@ -454,6 +457,13 @@ class P2PConnector(KVConnectorBase_V1):
                     k.index_copy_(0, idx.to(k.device), ks)
                     v.index_copy_(0, idx.to(v.device), vs)
             self.checkpoint.on_rollback(put_back)
+
+    def close(self) -> None:
+        """Stop the peers' threads once their queued transfers are done (a process that ends
+        need not call it; an engine dropped inside a process that goes on should). A thread
+        waiting for a read request stops when the transport's ``recv`` raises."""
+        for peer in self._peers.values():
+            peer.submit(None)
 
     # ------------------------------------------------------- between steps
     def release(self, request_ids: SequenceABC[int]) -> None:
