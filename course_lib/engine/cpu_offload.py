@@ -171,11 +171,15 @@ class CPUBlockPool:
         """A block for ``block_hash`` (not already held): a free one, else the least recently
         used one not in ``pinned`` (evicted). Returns (block, the hash it held or None), or
         None when every block is pinned (nothing changes)."""
+        # each undo is registered before its change, and does nothing if the change did not
+        # happen (a fault between the two): the rollback puts back exactly what changed
         in_step = self._in_step()
         if self.free_blocks:
-            block_id = self.free_blocks.pop()
+            block_id = self.free_blocks[-1]
             if in_step:
-                self.checkpoint.on_rollback(partial(self.free_blocks.append, block_id))
+                self.checkpoint.on_rollback(partial(self._unpop_free, block_id,
+                                                    len(self.free_blocks)))
+            self.free_blocks.pop()
             block, evicted = CPUBlock(block_id, block_hash), None   # new: nothing to save
         else:
             block = self.fake_lru_head.next_block
@@ -184,18 +188,23 @@ class CPUBlockPool:
             if block is self.fake_lru_tail:
                 return None
             evicted = block.block_hash
-            self._unlink(block)                                      # saves it
-            del self.hash_to_block[evicted]
             if in_step:
                 self.checkpoint.on_rollback(
                     partial(self.hash_to_block.__setitem__, evicted, block))
+            self._unlink(block)                                      # saves it
+            del self.hash_to_block[evicted]
             block.block_hash = block_hash
             self.num_evictions += 1
-        self.hash_to_block[block_hash] = block
         if in_step:
             self.checkpoint.on_rollback(partial(self.hash_to_block.pop, block_hash, None))
+        self.hash_to_block[block_hash] = block
         self._append(block)
         return block.block_id, evicted
+
+    def _unpop_free(self, block_id: int, length: int) -> None:
+        """Undo a pop of ``block_id`` from a free list of ``length`` blocks, if it happened."""
+        if len(self.free_blocks) == length - 1:
+            self.free_blocks.append(block_id)
 
     def _unlink(self, block: CPUBlock) -> None:
         prev, nxt = block.prev_block, block.next_block
