@@ -9,10 +9,12 @@
 * SGLang 0.5.23's wheel for CPython 3.11 / x86-64 (SGLang publishes no sdist, nor a pure
   wheel): the same way, whatever this machine is, since only its Python files are read.
 
-Only the files the fidelity tests, the component-table check and chapter 13's map check read
-are extracted, to ``CACHE/<name>/`` (e.g.
-``.fidelity-cache/vllm-0.33.0/vllm/v1/core/block_pool.py``); the archives stay in
-``CACHE/downloads/``. A second run with everything in place does nothing (a
+Only the files the fidelity tests and the component-table check read are extracted, to
+``CACHE/<name>/`` (e.g. ``.fidelity-cache/vllm-0.33.0/vllm/v1/core/block_pool.py``); chapter
+13's map check reads the files its map cites from folders of their own, ``CACHE/<name>-map/``:
+the harness imports the upstream modules from ``CACHE/<name>/``, and a real module there where
+it expects to stub one (an SGLang host-memory pool, say) changes what it runs. The archives
+stay in ``CACHE/downloads/``. A second run with everything in place does nothing (a
 stamp file per source records what was extracted). Standard library only.
 """
 
@@ -95,14 +97,19 @@ def sources() -> tuple[Source, ...]:
     return (
         Source("vllm-0.33.0", "vllm", "vllm-0.33.0.tar.gz",
                "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
-               "vllm-0.33.0/", tuple(dict.fromkeys(VLLM_FILES + _table_paths("v1")
-                                                   + _map_paths("vllm")))),
+               "vllm-0.33.0/", VLLM_FILES + _table_paths("v1")),
         Source("vllm-0.6.3", "vllm", "vllm-0.6.3.tar.gz",
                "03e69029ad9caceaab68d5c3833ae6fe57c04be678ec37f29e9df6eaf178a9c5",
                "vllm-0.6.3/", _table_paths("v0")),
         Source("sglang-0.5.23", "sglang", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
                "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937",
-               "", tuple(dict.fromkeys(SGLANG_FILES + _map_paths("sglang")))),
+               "", SGLANG_FILES),
+        Source("vllm-0.33.0-map", "vllm", "vllm-0.33.0.tar.gz",
+               "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
+               "vllm-0.33.0/", _map_paths("vllm")),
+        Source("sglang-0.5.23-map", "sglang", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
+               "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937",
+               "", _map_paths("sglang")),
     )
 
 
