@@ -145,8 +145,6 @@ class _Transfer:
     request_id: int = -1                      # prefill side: the held request (-1: none)
     buffers: list[torch.Tensor] = field(default_factory=list)   # per layer [2, n, bs, h, d]
     status: int = STATUS_OK
-    started: float = 0.0
-    finished: float = 0.0
     done: bool = False
     error: str | None = None
 
@@ -179,12 +177,10 @@ class _PeerThread:
             if self.dead is not None:               # the peer is gone: fail at once
                 t.error, t.done = self.dead, True
                 continue
-            t.started = time.monotonic()
             try:
                 self._work(t)
             except Exception as exc:                 # a dead peer: connection closed
                 self.dead = t.error = f"{type(exc).__name__}: {exc}"
-            t.finished = time.monotonic()
             t.done = True
 
 

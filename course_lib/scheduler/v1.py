@@ -280,11 +280,10 @@ class SchedulerV1:
                 break
             num_new = min(num_new, budget)
             # the watermark holds only while some request runs (vLLM's has_scheduled_reqs)
-            # K/V loaded between steps: its blocks enter the cache once loaded (a connector
-            # needs V1's KVCacheManager, whose allocate_slots takes delay_cache_blocks)
-            delay = {"delay_cache_blocks": True} if load_async else {}
+            # K/V loaded between steps: its blocks enter the cache once they are loaded
             ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_external + num_new,
-                                     hits, admission=bool(self.running), **delay)
+                                     hits, admission=bool(self.running),
+                                     delay_cache_blocks=load_async)
             if ids is None:
                 break
             self.waiting.pop_front()

@@ -74,7 +74,7 @@ from ..sequence import Sequence as Seq
 from ..sizing.blocks import num_blocks_for_tokens
 from ..sizing.models import ModelSpec, get_preset
 from .fake_sampler import fake_samples
-from .replay import CostModel
+from .replay import CostModel, _mean, _p99
 from .traces import TraceRequest, random_like
 
 #: one 400 Gb/s RDMA NIC (InfiniBand NDR or RoCE), the link a P/D pair of nodes commonly has,
@@ -168,18 +168,6 @@ class EngineStats:
     @property
     def mean_block_usage(self) -> float:
         return self.usage_sum / self.num_steps if self.num_steps else 0.0
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _p99(xs: Sequence[float]) -> float:
-    """Nearest-rank 99th percentile."""
-    if not xs:
-        return math.nan
-    ys = sorted(xs)
-    return ys[max(0, math.ceil(0.99 * len(ys)) - 1)]
 
 
 @dataclass

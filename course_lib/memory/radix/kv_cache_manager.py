@@ -117,11 +117,14 @@ class RadixKVCacheManager(V1ManagerBase):
 
     def allocate_slots(self, seq_id: int, token_ids: list[int], num_computed_tokens: int,
                        num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
-                       admission: bool = False) -> list[int] | None:
+                       admission: bool = False, delay_cache_blocks: bool = False
+                       ) -> list[int] | None:
         """Room for ``num_new_tokens`` more tokens (and the hit ``new_computed_blocks`` of a
         sequence being admitted); the sequence's block ids, or None (nothing changes). The
         list returned is the sequence's own, extended in place (no copy per step: read it
-        before the next call for this sequence, or copy it)."""
+        before the next call for this sequence, or copy it). ``delay_cache_blocks``: the
+        V1 call's parameter, a no-op here: the tree takes blocks in only after a step computed
+        them (``cache_computed``), never at allocation."""
         bs, tree = self.block_size, self.tree
         blocks = self.req_to_blocks.get(seq_id)
         hits = list(new_computed_blocks)

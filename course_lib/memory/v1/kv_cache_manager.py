@@ -184,8 +184,6 @@ class KVCacheManager(V1ManagerBase):
                                               self._hashes(seq_id, token_ids, num_full),
                                               num_cached, num_full)
             self.num_cached_block[seq_id] = num_full
-        else:
-            self.num_cached_block.setdefault(seq_id, num_cached)
 
     def free(self, seq_id: int) -> None:
         """Give the sequence's blocks back, tail first: the end of a chain is evicted before
