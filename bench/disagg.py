@@ -95,12 +95,19 @@ def section_replay(quick: bool) -> None:
         for x, y in DEPLOYMENTS:
             print_row(run(trace, x, y), slo)
         print(f"  ({time.perf_counter() - t0:.1f} s of CPU for the four replays)")
-    print("\nDistServe's goodput: the highest rate (req/s) at which >= 90% of the requests "
-          "meet the SLO, and per GPU ('>=': the highest rate tried passed)")
-    sweeps = {0: (2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0), 1: (10.0, 20.0, 30.0, 40.0, 50.0)}
+    # The sweep needs traces long enough to reach a steady state: with the table's 400
+    # decode-heavy requests, every rate up to 50 req/s ends before the decode batches fill the
+    # pools, and colocated and 1P3D both "pass" everything. 1,000 requests (and 400 prefill-heavy
+    # ones) separate them.
+    sweep_sizes = (80, 150) if quick else (400, 1000)
+    print(f"\nDistServe's goodput: the highest rate (req/s) at which >= 90% of the requests "
+          f"meet the SLO, and per GPU ('>=': the highest rate tried passed); traces of "
+          f"{sweep_sizes[0]} prefill-heavy and {sweep_sizes[1]} decode-heavy requests")
+    sweeps = {0: (2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0),
+              1: (10.0, 15.0, 20.0, 25.0, 30.0, 35.0, 40.0)}
     if quick:
         sweeps = {0: (3.0, 5.0, 7.0), 1: (20.0, 40.0)}
-    for k, (name, (make, _)) in enumerate(workloads(quick).items()):
+    for k, (name, (make, _)) in enumerate(study_workloads(*sweep_sizes).items()):
         rates = sweeps[k]
         cells = []
         best_pd = ((3, 1), (1, 3))[k]          # quick: colocated and the P/D split that fits
