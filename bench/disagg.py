@@ -16,10 +16,12 @@ Sections (each a function; printed, never asserted):
    decode-heavy replay with the decode nodes limited to what static reservation holds.
 
 3. **Real processes** (``course_lib.parallel.disagg``: engines of the tiny model on their own
-   processes, K/V over ``torch.distributed`` with gloo): one colocated engine against 1P1D and
-   2P1D on the same prompts: tokens identical or not, blocks moved, the hand-over (read
-   request to blocks loaded) and end-to-end TTFT. On this machine's few CPU cores the
-   processes compete for them: the figures show what the mechanism costs, not a GPU's speed.
+   processes, ``device="auto"``: on CUDA where there is a GPU; K/V on a ``torch.distributed``
+   group per (prefill, decode) pair: gloo, or NCCL with a GPU per engine): one colocated engine
+   (on the device of the first engine) against 1P1D and 2P1D on the same prompts: the engines'
+   devices and the data path, tokens identical or not, blocks moved, the hand-over (read
+   request to blocks loaded) and end-to-end TTFT. On a CPU machine's few cores the processes
+   compete for them: the figures show what the mechanism costs, not a GPU's speed.
 
     python bench/disagg.py            # full run (a few minutes on 2 shared cores)
     python bench/disagg.py --quick    # small sizes, for a smoke test
@@ -167,7 +169,7 @@ def section_processes(quick: bool) -> None:
 
     from course_lib.engine.llm_engine import LLMEngine
     from course_lib.model.loader import load_tiny_model
-    from course_lib.parallel.disagg import DisaggCluster
+    from course_lib.parallel.disagg import DisaggCluster, resolve_device
     from course_lib.sequence import SamplingParams
 
     torch.set_num_threads(1)
@@ -178,9 +180,12 @@ def section_processes(quick: bool) -> None:
     params = [SamplingParams(max_tokens=16, temperature=0.0),
               SamplingParams(max_tokens=16, temperature=0.8, seed=11)] * (n // 2)
     cache = CacheConfig(block_size=16, num_gpu_blocks=256, enable_prefix_caching=True)
+    device = resolve_device("auto")
+    first = "cuda:0" if device == "cuda" else "cpu"      # where rank 0 runs
     print(f"\n== real processes: the tiny model, {n} prompts of 41-160 tokens, 16 tokens each "
-          "(half greedy, half seeded), gloo on this machine's CPU cores")
-    engine = LLMEngine(load_tiny_model(), None, cache, attn_impl="torch", design="v1")
+          f"(half greedy, half seeded), engines on {device}")
+    engine = LLMEngine(load_tiny_model(device=first), None, cache, attn_impl="torch",
+                       design="v1")
     t = time.perf_counter()
     ref = engine.generate(prompts, params)
     wall = time.perf_counter() - t
@@ -189,8 +194,10 @@ def section_processes(quick: bool) -> None:
           f"{'hand-over ms (mean / max)':>26} {'TTFT s (mean)':>14} {'run s':>6}")
     print(f"  {'colocated':<12} {'-':>11} {'-':>12} {'-':>26} "
           f"{statistics.mean(o.ttft for o in ref):>14.3f} {wall:>6.2f}")
+    paths = []
     for x, y in ((1, 1), (2, 1)):
-        with DisaggCluster(x, y, cache_config=cache, attn_impl="torch") as cluster:
+        with DisaggCluster(x, y, cache_config=cache, attn_impl="torch",
+                           device=device) as cluster:
             t = time.perf_counter()
             outs = cluster.generate(prompts, params)
             wall = time.perf_counter() - t
@@ -208,6 +215,9 @@ def section_processes(quick: bool) -> None:
             print(f"  {f'{x}P{y}D':<12} {'yes' if same else 'NO':>11} {moved:>12} "
                   f"{statistics.mean(hand):>12.1f} / {max(hand):<11.1f} {ttft:>14.3f} "
                   f"{wall:>6.2f}")
+            devices = ", ".join(f"rank {r} {s['device']}" for r, s in sorted(stats.items()))
+            paths.append(f"  {x}P{y}D: {devices}; data: {cluster.data_path()}")
+    print("\n".join(paths))
 
 
 def main() -> None:

@@ -1,10 +1,13 @@
 """Prefill/decode disaggregation on real processes (issue 24, items 3 and 5):
 ``course_lib/parallel/disagg.py`` (the processes and the proxy) over
-``course_lib/engine/p2p_connector.py`` (the KV connector, torch.distributed with gloo).
+``course_lib/engine/p2p_connector.py`` (the KV connector: control on the gloo world group,
+the K/V on a group per (prefill, decode) pair).
 
 Each test starts its engines as processes (seconds each: every one imports torch and loads the
 model), so the cases are few and each checks much: tokens identical to one colocated engine,
-every block back in every surviving pool, no process left behind."""
+every block back in every surviving pool, the layers on the pairs' groups, no process left
+behind. The CPU tests pass ``device="cpu"`` (the default, ``"auto"``, would take a GPU where
+there is one); the CUDA tests at the end skip without GPUs."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from course_lib.config import CacheConfig
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.model.loader import load_tiny_model
-from course_lib.parallel.disagg import DisaggCluster
+from course_lib.parallel.disagg import DisaggCluster, data_backend_for, resolve_device
 from course_lib.sequence import SamplingParams
 
 pytestmark = pytest.mark.ch13
@@ -36,8 +39,9 @@ def _prompts(n: int, seed: int = 0, shared: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _colocated(prompts, params) -> list[list[int]]:
-    engine = LLMEngine(load_tiny_model(), None, CACHE, attn_impl=IMPL, design="v1")
+def _colocated(prompts, params, device: str = "cpu") -> list[list[int]]:
+    engine = LLMEngine(load_tiny_model(device=device), None, CACHE, attn_impl=IMPL,
+                       design="v1")
     return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
 
 
@@ -45,6 +49,23 @@ def _no_leak(stats: dict) -> None:
     for rank, s in stats.items():
         assert s["num_free_blocks"] == s["num_gpu_blocks"], (rank, s)
         assert s["num_delayed_frees"] == 0 and s["num_held_requests"] == 0, (rank, s)
+
+
+def _layers_on_pair_groups(stats: dict, prefill: list[int], decode: list[int]) -> None:
+    """Each engine's pair groups are the two ranks alone (as torch.distributed reports them),
+    its layer messages went on them and on nothing else, and each pair moved as many layer
+    messages on the prefill side as on the decode side."""
+    for p in prefill:
+        for d in decode:
+            pair = f"pair {p}-{d}"
+            assert stats[p]["data_groups"][d] == stats[d]["data_groups"][p] == [p, d]
+            assert stats[p]["layer_messages"].get(pair) == stats[d]["layer_messages"].get(pair)
+    for rank in prefill + decode:
+        peers = decode if rank in prefill else prefill
+        assert set(stats[rank]["data_groups"]) == set(peers), stats[rank]
+        assert set(stats[rank]["layer_messages"]) <= \
+            {f"pair {min(rank, q)}-{max(rank, q)}" for q in peers}, stats[rank]
+        assert "world" not in stats[rank]["layer_messages"]
 
 
 def _our_processes() -> list:
@@ -57,7 +78,8 @@ SEEDED = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234)
 
 def test_1p1d_matches_one_engine_and_frees_prefill_blocks_after_the_send():
     prompts = _prompts(5, seed=1, shared=40)       # a shared prefix: local hits on both sides
-    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL) as cluster:
+    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu") as cluster:
+        assert cluster.data_backend == "gloo" and cluster.data_path() == "gloo (CPU memory)"
         # one request, stopped between its prefill and its decode: the prefill side holds it
         rid = cluster.submit(prompts[0], GREEDY, pause_after_prefill=True)
         cluster.wait([rid], prefilled=True)
@@ -72,6 +94,9 @@ def test_1p1d_matches_one_engine_and_frees_prefill_blocks_after_the_send():
         _no_leak(stats)
         assert stats[0]["num_sent_blocks"] == stats[1]["num_recv_blocks"] > 0
         assert stats[0]["num_failed_sends"] == stats[1]["num_failed_recvs"] == 0
+        assert [(s["device"], s["data_backend"]) for s in stats.values()] == [("cpu", "gloo")] * 2
+        _layers_on_pair_groups(stats, [0], [1])
+        assert stats[0]["layer_messages"]["pair 0-1"] > 0
         hops = [(h.where, h.what) for h in cluster.timeline(rid)]
         order = [("prefill 0", "prefill done, first token sampled"),
                  ("decode 0", "read request"), ("prefill 0", "send"),
@@ -85,10 +110,12 @@ def test_1p1d_matches_one_engine_and_frees_prefill_blocks_after_the_send():
 
 def test_2p1d_spreads_prefills_and_matches_one_engine():
     prompts = _prompts(6, seed=2)
-    with DisaggCluster(2, 1, cache_config=CACHE, attn_impl=IMPL) as cluster:
+    with DisaggCluster(2, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu") as cluster:
         outs = cluster.generate(prompts, SEEDED)
         stats = cluster.settle()
         _no_leak(stats)
+        _layers_on_pair_groups(stats, [0, 1], [2])
+        assert set(stats[2]["layer_messages"]) == {"pair 0-2", "pair 1-2"}
         assert stats[0]["num_sent_blocks"] > 0 and stats[1]["num_sent_blocks"] > 0
         assert stats[2]["num_recv_blocks"] == stats[0]["num_sent_blocks"] + \
             stats[1]["num_sent_blocks"]
@@ -100,7 +127,7 @@ def test_2p1d_spreads_prefills_and_matches_one_engine():
                                                 ("dtype", "float64", "dtype")])
 def test_engines_that_cannot_exchange_blocks_are_refused_at_connect_time(field, value, said):
     with pytest.raises(ValueError, match=said):
-        DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL,
+        DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu",
                       overrides={1: {field: value}})
     assert not _our_processes()
 
@@ -108,7 +135,7 @@ def test_engines_that_cannot_exchange_blocks_are_refused_at_connect_time(field, 
 def test_a_prefill_engine_killed_mid_transfer_costs_a_recompute_not_a_request():
     prompts = _prompts(6, seed=3)
     # rank 0 exits once its first send has put one layer on the wire
-    with DisaggCluster(2, 1, cache_config=CACHE, attn_impl=IMPL,
+    with DisaggCluster(2, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu",
                        overrides={0: {"exit_after_layers": 1}}) as cluster:
         outs = cluster.generate(prompts, SEEDED)
         assert list(cluster.dead) == [0]
@@ -123,7 +150,7 @@ def test_a_prefill_engine_killed_mid_transfer_costs_a_recompute_not_a_request():
 def test_a_decode_engine_killed_mid_transfer():
     prompts = _prompts(4, seed=4)
     # alone: its requests fail, each alone, and the prefill side frees what it held for them
-    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL,
+    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu",
                        overrides={1: {"exit_after_layers": 1}}) as cluster:
         outs = cluster.generate(prompts, GREEDY)
         assert list(cluster.dead) == [1]
@@ -134,7 +161,7 @@ def test_a_decode_engine_killed_mid_transfer():
         assert stats[0]["num_failed_sends"] == 1 and stats[0]["num_aborted"] == len(prompts) - 1
     assert not _our_processes()
     # beside another decode engine: its requests are sent there and recomputed
-    with DisaggCluster(1, 2, cache_config=CACHE, attn_impl=IMPL,
+    with DisaggCluster(1, 2, cache_config=CACHE, attn_impl=IMPL, device="cpu",
                        overrides={1: {"exit_after_layers": 1}}) as cluster:
         outs = cluster.generate(prompts, GREEDY)
         assert list(cluster.dead) == [1]
@@ -152,4 +179,78 @@ def test_bad_deployments_are_refused_before_any_process_starts():
         DisaggCluster(1, 1, overrides={5: {"block_size": 8}})
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         DisaggCluster(1, 1, cache_config=CacheConfig(enable_prefix_caching=False))
+    with pytest.raises(ValueError, match=r"device must be one of \('cpu', 'cuda', 'auto'\), "
+                                         "got 'gpu'"):
+        DisaggCluster(1, 1, device="gpu")
+    with pytest.raises(ValueError, match="device must be one of"):
+        DisaggCluster(1, 1, overrides={1: {"device": "tpu"}})
     assert not _our_processes()
+
+
+def test_cuda_without_cuda_is_refused_before_any_process_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device='cuda' but CUDA is not available"):
+        DisaggCluster(1, 1, device="cuda")
+    assert resolve_device("auto") == "cpu"
+    assert not _our_processes()
+
+
+@pytest.mark.parametrize("devices, gpus, backend", [
+    (["cuda", "cuda"], 2, "nccl"), (["cuda", "cuda", "cuda"], 2, "gloo"),   # a GPU per rank
+    (["cuda", "cpu"], 8, "gloo"), (["cpu", "cpu"], 8, "gloo")])
+def test_nccl_only_with_a_gpu_per_engine(monkeypatch, devices, gpus, backend):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert data_backend_for(devices) == backend
+
+
+# ------------------------------------------------------------ on GPUs (skipped without)
+CUDA_PARAMS = [GREEDY, SEEDED] * 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+def test_1p1d_on_cuda_matches_one_engine_on_the_gpu():
+    """Engines on CUDA (rank r on cuda:(r % device_count)); with one GPU the layers are
+    staged through CPU memory on gloo, with two or more they go GPU to GPU on NCCL."""
+    prompts = _prompts(4, seed=5, shared=20)
+    gpus = torch.cuda.device_count()
+    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cuda") as cluster:
+        outs = cluster.generate(prompts, CUDA_PARAMS)
+        stats = cluster.settle()
+        _no_leak(stats)
+        backend = "nccl" if gpus >= 2 else "gloo"
+        assert cluster.data_backend == backend
+        assert [(s["device"], s["data_backend"]) for s in stats.values()] == \
+            [("cuda:0", backend), (f"cuda:{1 % gpus}", backend)]
+        assert stats[0]["num_sent_blocks"] == stats[1]["num_recv_blocks"] > 0
+        _layers_on_pair_groups(stats, [0], [1])
+    assert not _our_processes()
+    assert [o.outputs[0].token_ids for o in outs] == _colocated(prompts, CUDA_PARAMS, "cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL)")
+def test_1p1d_over_nccl_and_a_prefill_engine_killed_mid_transfer():
+    """NCCL between two GPUs; then the prefill engine dies after one layer of a request's
+    transfer: NCCL does not notice, the decode side's receive times out (``pair_timeout_s``,
+    blocking wait), the load fails and the decode engine computes the prompt itself: the same
+    tokens."""
+    prompts = _prompts(4, seed=6)
+    want = _colocated(prompts, CUDA_PARAMS, "cuda:0")
+    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cuda") as cluster:
+        assert cluster.data_backend == "nccl" and cluster.data_path() == "nccl (GPU to GPU)"
+        outs = cluster.generate(prompts, CUDA_PARAMS)
+        stats = cluster.settle()
+        _no_leak(stats)
+        _layers_on_pair_groups(stats, [0], [1])
+        assert stats[1]["layer_messages"]["pair 0-1"] > 0
+    assert [o.outputs[0].token_ids for o in outs] == want
+    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cuda",
+                       overrides={0: {"exit_after_layers": 1},
+                                  1: {"pair_timeout_s": 10.0}}) as cluster:
+        # one request: with the only prefill engine dead, a request not yet prefilled fails
+        out = cluster.generate(prompts[:1], CUDA_PARAMS[:1])[0]
+        assert list(cluster.dead) == [0]
+        stats = cluster.settle()
+        _no_leak(stats)
+        assert stats[1]["num_failed_recvs"] == 1
+    assert not _our_processes()
+    assert out.outputs[0].token_ids == want[0]

@@ -36,14 +36,26 @@ CACHE = CacheConfig(block_size=8, num_gpu_blocks=64, enable_prefix_caching=True)
 ROLES = {0: "kv_producer", 1: "kv_consumer"}
 
 
+class Group:
+    """Stands for a ``torch.distributed`` group of two ranks (what ``data_groups`` holds)."""
+
+    def __init__(self, *ranks: int) -> None:
+        self.ranks = ranks
+
+    def __repr__(self) -> str:
+        return f"Group{self.ranks}"
+
+
 class Hub:
-    """Messages between the ranks of one process: a queue per (src, dst, tag)."""
+    """Messages between the ranks of one process: a queue per (src, dst, tag). Every send and
+    receive is logged with the group it was given: ``(op, src, dst, group, tensor.dim())``."""
 
     def __init__(self) -> None:
         self.queues: dict[tuple[int, int, int], queue.Queue] = defaultdict(queue.Queue)
         self.lock = threading.Lock()
         self.objects: dict[int, object] = {}
         self.closed = False
+        self.log: list[tuple[str, int, int, object, int]] = []
 
     def queue(self, key: tuple[int, int, int]) -> queue.Queue:
         with self.lock:
@@ -63,10 +75,12 @@ class Loopback:
         self.hub.objects[self.rank] = obj
         out[:] = [self.hub.objects[r] for r in range(2)]
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: object = None) -> None:
+        self.hub.log.append(("send", self.rank, dst, group, tensor.dim()))
         self.hub.queue((self.rank, dst, tag)).put(tensor.clone())
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, group: object = None) -> None:
+        self.hub.log.append(("recv", src, self.rank, group, tensor.dim()))
         q = self.hub.queue((src, self.rank, tag))
         for _ in range(400):                  # 20 s, in steps that notice a closed hub
             if self.hub.closed:
@@ -98,10 +112,17 @@ def close_pairs():
             e.kv_connector.close()
 
 
-def make_pair(model) -> tuple[LLMEngine, LLMEngine]:
+PAIR = Group(0, 1)
+
+
+def make_pair(model, data_groups: bool = True) -> tuple[LLMEngine, LLMEngine]:
+    """Two engines on one hub; their layer messages on ``PAIR`` (``data_groups=False``: on
+    the world group, as the connector does without ``data_groups``)."""
     hub = Hub()
     engines = [LLMEngine(model, None, CACHE, attn_impl="torch", design="v1",
-                         kv_connector=P2PConnector(ROLES[r], r, transport=Loopback(hub, r)))
+                         kv_connector=P2PConnector(
+                             ROLES[r], r, transport=Loopback(hub, r),
+                             data_groups={1 - r: PAIR} if data_groups else None))
                for r in (0, 1)]
     for r, e in enumerate(engines):     # what every rank says in the all-gather
         hub.objects[r] = (ROLES[r], KVLayout.of(e.runner.gpu_caches))
@@ -120,11 +141,12 @@ PARAMS = [SamplingParams(max_tokens=5, temperature=0.0),
 FAILED_STEPS: list[str] = []          # the steps undone, by drive (tests read and clear it)
 
 
-def drive(model, *, max_loops: int = 4000) -> tuple[dict[int, list[int] | str], list]:
+def drive(model, *, max_loops: int = 4000, data_groups: bool = True
+          ) -> tuple[dict[int, list[int] | str], list]:
     """The proxy and both processes' loops, interleaved in one thread: each request's prefill
     on engine 0, its decode on engine 1. Returns each request's tokens (or ``"error"``) and
     the engines. A step that fails and is undone (``StepFailed``) is simply taken again."""
-    prefill, decode = make_pair(model)
+    prefill, decode = make_pair(model, data_groups)
     done: dict[int, list[int] | str] = {}
     for rid, (prompt, p) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         prefill.add_request(prompt, replace(p, max_tokens=1), request_id=rid,
@@ -169,12 +191,52 @@ def assert_clean(engines: list[LLMEngine]) -> None:
         assert not e.kv_connector.busy()
 
 
+def assert_layers_on_the_pair_group(hub: Hub) -> None:
+    """Every K/V layer message (a 5-d tensor ``[2, n, bs, h, d]``), sent and received, went on
+    the pair's group; every control message (1-d: read request, status) on the world group."""
+    layers = {(op, group) for op, _, _, group, dim in hub.log if dim == 5}
+    control = {group for _, _, _, group, dim in hub.log if dim == 1}
+    assert layers == {("send", PAIR), ("recv", PAIR)}, layers
+    assert control == {None}, control
+
+
 def test_two_engines_in_one_process_give_the_colocated_tokens(model):
     done, engines = drive(model)
     assert done == colocated(model)
     assert_clean(engines)
     prefill, decode = (e.kv_connector for e in engines)
     assert prefill.num_sent_blocks == decode.num_recv_blocks > 0
+    assert_layers_on_the_pair_group(prefill.transport.hub)
+    sent = sum(1 for op, *_, dim in prefill.transport.hub.log if op == "send" and dim == 5)
+    assert prefill.layer_messages == decode.layer_messages == {"pair 0-1": sent} and sent > 0
+
+
+def test_the_pair_group_detector_trips_on_layers_sent_on_the_world_group(model):
+    """Proof that the check above can fail: connectors without ``data_groups`` put their
+    layers on the world group (the same tokens: only the group differs)."""
+    done, engines = drive(model, data_groups=False)
+    assert done == colocated(model)
+    hub = engines[0].kv_connector.transport.hub
+    with pytest.raises(AssertionError, match="None"):
+        assert_layers_on_the_pair_group(hub)
+    assert set(engines[0].kv_connector.layer_messages) == {"world"}
+
+
+def test_bad_data_paths_are_refused(model):
+    with pytest.raises(ValueError, match="data_backend must be one of"):
+        P2PConnector("kv_producer", 0, data_backend="mpi")
+    hub = Hub()
+    engines = [LLMEngine(model, None, CACHE, attn_impl="torch", design="v1",
+                         kv_connector=P2PConnector(ROLES[r], r, transport=Loopback(hub, r),
+                                                   **kw))
+               for r, kw in ((0, {"data_groups": {5: PAIR}}),
+                             (1, {"data_backend": "nccl"}))]
+    for r, e in enumerate(engines):
+        hub.objects[r] = (ROLES[r], KVLayout.of(e.runner.gpu_caches))
+    with pytest.raises(ValueError, match=r"data_groups must name each peer .*\[1\]\), got \[5\]"):
+        engines[0].kv_connector.connect(ROLES)
+    with pytest.raises(ValueError, match="data_backend='nccl' moves GPU memory.*cpu"):
+        engines[1].kv_connector.connect(ROLES)
 
 
 SITES = [(P2PConnector, name) for name in (

@@ -1,5 +1,7 @@
 """Prefill/decode disaggregation's KV connector: a prefill engine's blocks sent to a decode
-engine's blocks over ``torch.distributed`` point-to-point messages (gloo on CPUs, NCCL on GPUs).
+engine's blocks over ``torch.distributed`` point-to-point messages: the control messages on the
+world group (gloo), the K/V on a group of the two engines alone (gloo, or NCCL between GPUs:
+*Where the bytes travel* below).
 
 **The protocol is vLLM 0.33.0's NIXL connector's** (``vllm/distributed/kv_transfer/
 kv_connector/v1/nixl/``: ``pull_scheduler.py`` for the scheduler side, ``worker.py``), with
@@ -47,13 +49,52 @@ What differs from NIXL, and why:
   (end of sequence as its first token) is finished: nothing follows, so its blocks are freed
   at once (vLLM delays on either status).
 
+**Where the bytes travel.** The read requests and statuses are small ``int64`` CPU tensors on
+the world group (gloo), as the caller set it up. The K/V layer messages go on ``data_groups``:
+peer rank -> a group of this engine and that peer alone (``dist.new_group([p, d])``, made by
+:mod:`course_lib.parallel.disagg`; ``None``: the world group). With ``data_backend="gloo"`` the
+layers are staged through CPU memory (gathered, then ``.to("cpu")``; copied in with
+``.to(cache device)``: no-ops for caches on the CPU), since gloo moves CPU tensors; with
+``"nccl"`` the gathered and receive buffers stay on the cache's GPU and NCCL moves them GPU to
+GPU. Why a group per pair: NCCL point-to-point ignores ``tag`` (messages on a communicator
+match in the order they are posted) and one communicator must not be driven from two threads.
+Both hold here:
+
+* one thread per process touches a pair's group: the peer thread of that peer (prefill side:
+  :meth:`P2PConnector._send_work`; decode side: :meth:`P2PConnector._recv_work`); the thread
+  that listens for read requests (:meth:`P2PConnector._listen`) uses the world group only;
+* at most one transfer is outstanding per pair: the decode side's peer thread does a
+  transfer's read request, status and every layer before it takes the next transfer from its
+  queue, so the next read request leaves only once the last layer arrived; the prefill side
+  queues a transfer on its peer thread only in answer to a read request and sends it whole
+  (status, then the layers in order). So the layer messages of a pair are posted in the same
+  order on both sides, and order alone matches them (the tags stay, for gloo).
+
+A receive that returns on the CPU does not mean NCCL's data arrived (it is queued on a CUDA
+stream): after the last layer the decode side's thread synchronizes its CUDA stream before
+the transfer is marked done, and the prefill side's after its last send before the send is
+reported; both are no-ops for CPU buffers (:meth:`P2PConnector._wait_for_device`). A dead
+peer makes NCCL wait rather than fail: the pair groups have a short timeout
+(``course_lib.parallel.disagg.PAIR_TIMEOUT_S``; they are used only once the gloo status
+handshake has shown the peer alive), and the engine processes run with
+``TORCH_NCCL_BLOCKING_WAIT=1`` and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0`` (the names torch
+2.13's ``libtorch_cpu.so`` holds; in torch's ``ProcessGroupNCCL.cpp``, blocking wait makes
+``wait()`` poll on the CPU, abort the communicator and raise in the calling thread once the
+timeout passed, and starts no watchdog that would tear the process down): the timeout is a
+failed transfer, recovered as below. **The NCCL path is unverified here**: this course's
+machine has no GPU; the tests that run it (``tests/test_disagg.py``) skip without one. Also
+untried: an engine with several peers drives several NCCL communicators at once, one per
+thread (NCCL's user guide, "Using multiple NCCL communicators concurrently", warns this can
+deadlock when their operations are not ordered); it would show as the timeout above.
+
 Failures: a peer process that dies makes its pending messages fail (gloo: "connection closed
-by peer"). A failed send frees the prefill side's blocks; a failed receive reports the decode
-side's blocks in :meth:`P2PConnector.get_block_ids_with_load_errors`, and the V1 scheduler
-computes those tokens itself (vLLM's ``kv_load_failure_policy="recompute"``). Blocks no decode
-engine asks for within ``abort_timeout_s`` are freed (vLLM's
-``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``). Two engines whose caches differ in block size, dtype,
-layer count or head shape are refused when they connect (:meth:`P2PConnector.connect`).
+by peer"; NCCL: the pair group's timeout). A failed send frees the prefill side's blocks; a
+failed receive reports the decode side's blocks in
+:meth:`P2PConnector.get_block_ids_with_load_errors`, and the V1 scheduler computes those
+tokens itself (vLLM's ``kv_load_failure_policy="recompute"``). Blocks no decode engine asks
+for within ``abort_timeout_s`` are freed (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``). Two
+engines whose caches differ in block size, dtype, layer count or head shape are refused when
+they connect (:meth:`P2PConnector.connect`).
 """
 
 from __future__ import annotations
@@ -82,6 +123,7 @@ if TYPE_CHECKING:
     from ..sequence import Sequence
 
 CTRL_TAG = 1            # read requests, decode -> prefill, in order per pair
+DATA_BACKENDS = ("gloo", "nccl")
 STATUS_OK, STATUS_GONE = 1, 2
 KV_ROLES = ("kv_producer", "kv_consumer")   # vLLM's kv_role values (kv_both is not built)
 
@@ -193,16 +235,25 @@ class P2PConnector(KVConnectorBase_V1):
     (prefill) or received (decode) that many layers: a process killed mid-transfer.
     ``transport``: what moves the messages, with ``torch.distributed``'s ``send``, ``recv``,
     ``all_gather_object`` and ``get_world_size``: that module itself by default; the tests
-    pass an in-process stand-in to drive two engines in one process, step by step."""
+    pass an in-process stand-in to drive two engines in one process, step by step.
+    ``data_groups``: peer rank -> the group the K/V layer messages to and from that peer go on
+    (``group=`` of ``send`` / ``recv``); None: the world group. ``data_backend``: ``"gloo"``
+    (layers staged through CPU memory) or ``"nccl"`` (layers stay on the cache's GPU); module
+    docstring, *Where the bytes travel*."""
 
     __rollback_skip__ = KVConnectorBase_V1.__rollback_skip__ + (
         "_peers", "_inbox", "_inbox_lock", "_sent", "_in_flight", "_released", "events",
-        "transport")
+        "transport", "data_groups", "layer_messages")
 
     def __init__(self, kv_role: str, rank: int, *, abort_timeout_s: float = 120.0,
-                 exit_after_layers: int | None = None, transport: Any = dist) -> None:
+                 exit_after_layers: int | None = None, transport: Any = dist,
+                 data_groups: dict[int, Any] | None = None,
+                 data_backend: str = "gloo") -> None:
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {kv_role!r}")
+        if data_backend not in DATA_BACKENDS:
+            raise ValueError(f"data_backend must be one of {DATA_BACKENDS}, got "
+                             f"{data_backend!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
         if not abort_timeout_s > 0:
@@ -212,6 +263,10 @@ class P2PConnector(KVConnectorBase_V1):
         self.abort_timeout_s = abort_timeout_s
         self.exit_after_layers = exit_after_layers
         self.transport = transport
+        self.data_groups = data_groups
+        self.data_backend = data_backend
+        #: layer messages sent or received, per group: "pair <p>-<d>" or "world"
+        self.layer_messages: dict[str, int] = {}
         self.block_size = 0
         self.layout: KVLayout | None = None
         self.peer_layouts: dict[int, KVLayout] = {}
@@ -280,6 +335,13 @@ class P2PConnector(KVConnectorBase_V1):
             raise ValueError("the engines' KV caches cannot exchange blocks: "
                              + "; ".join(problems)
                              + " (give every engine the same model dtype and block_size)")
+        if self.data_groups is not None and set(self.data_groups) != set(self.peer_layouts):
+            raise ValueError(f"data_groups must name each peer of the other role "
+                             f"({sorted(self.peer_layouts)}), got {sorted(self.data_groups)}")
+        cache_device = self.kv_caches[0][0].device
+        if self.data_backend == "nccl" and cache_device.type != "cuda":
+            raise ValueError(f"data_backend='nccl' moves GPU memory; this engine's KV cache "
+                             f"is on {cache_device} (use 'gloo')")
         for peer in self.peer_layouts:
             work = self._send_work if self.kv_role == "kv_producer" else self._recv_work
             self._peers[peer] = _PeerThread(f"kv-{self.kv_role}-peer{peer}", work)
@@ -518,8 +580,8 @@ class P2PConnector(KVConnectorBase_V1):
         n = len(spec.block_ids)                # none: the prefill side frees its copy
         t = _Transfer(spec.remote_rank, tag, spec=spec, buffers=[
             torch.empty((2, n, layout.block_size, layout.num_kv_heads, layout.head_dim),
-                        dtype=self.kv_caches[0][0].dtype) for _ in range(layout.num_layers)]
-            if n else [])
+                        dtype=self.kv_caches[0][0].dtype, device=self._buffer_device())
+            for _ in range(layout.num_layers)] if n else [])
         self._recving[spec.seq_id] = t
         self._event("read request", spec.seq_id)
         peer = self._peers.get(spec.remote_rank)
@@ -528,13 +590,43 @@ class P2PConnector(KVConnectorBase_V1):
             return
         peer.submit(t)
 
+    def _buffer_device(self) -> torch.device:
+        """Where the layer messages' buffers live: the cache's device for NCCL, else the CPU
+        (gloo moves CPU tensors: the layers are staged through CPU memory)."""
+        if self.data_backend == "nccl":
+            return self.kv_caches[0][0].device
+        return torch.device("cpu")
+
     def _gather(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Per layer, K and V of ``block_ids`` in one contiguous tensor ``[2, n, bs, h, d]``."""
+        """Per layer, K and V of ``block_ids`` in one contiguous tensor ``[2, n, bs, h, d]``,
+        on :meth:`_buffer_device` (``.to`` is a no-op where the cache already is)."""
         out = []
+        where = self._buffer_device()
         for k, v in self.kv_caches:
             i = torch.tensor(block_ids, dtype=torch.int64, device=k.device)
-            out.append(torch.stack([k.index_select(0, i), v.index_select(0, i)]).cpu())
+            out.append(torch.stack([k.index_select(0, i), v.index_select(0, i)]).to(where))
         return out
+
+    def _data_group(self, peer: int) -> tuple[Any, str]:
+        """The group of the layer messages with ``peer`` (None: the world group), and its
+        name in :attr:`layer_messages`."""
+        if self.data_groups is None:
+            return None, "world"
+        a, b = sorted((self.rank, peer))
+        return self.data_groups[peer], f"pair {a}-{b}"
+
+    def _count_layer(self, name: str) -> None:
+        with self._inbox_lock:
+            self.layer_messages[name] = self.layer_messages.get(name, 0) + 1
+
+    @staticmethod
+    def _wait_for_device(buffers: list[torch.Tensor]) -> None:
+        """Block until the GPU has done the messages queued on these buffers. NCCL's send and
+        receive return once queued on a CUDA stream (and ``wait()`` makes the current stream
+        wait, not the CPU); nothing to do for CPU buffers, whose gloo messages are done when
+        the call returns."""
+        if buffers and buffers[0].is_cuda:
+            torch.cuda.current_stream(buffers[0].device).synchronize()
 
     # -------------------------------------------------------------- the threads
     def _listen(self, peer: int) -> None:
@@ -550,13 +642,20 @@ class P2PConnector(KVConnectorBase_V1):
                 self._inbox.append((peer, msg.tolist(), time.monotonic()))
 
     def _send_work(self, t: _Transfer) -> None:
-        """Prefill side, on the peer's thread: the status, then one message per layer."""
+        """Prefill side, on the peer's thread: the status (world group), then one message per
+        layer (the pair's group), then the GPU's work waited for."""
+        group, name = self._data_group(t.peer)
         try:
             self.transport.send(torch.tensor([t.status, len(t.buffers)], dtype=torch.int64),
                                 t.peer, tag=t.tag)
             for layer, buf in enumerate(t.buffers):
-                self.transport.send(buf, t.peer, tag=t.tag + 1 + layer)
+                self.transport.send(buf, t.peer, tag=t.tag + 1 + layer, group=group)
+                self._count_layer(name)
                 self._maybe_exit(layer + 1)
+            self._wait_for_device(t.buffers)
+        except Exception as exc:            # set before the send is reported, below
+            t.error = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             if t.request_id >= 0:
                 with self._inbox_lock:
@@ -564,8 +663,11 @@ class P2PConnector(KVConnectorBase_V1):
                     self._in_flight.discard(t.request_id)
 
     def _recv_work(self, t: _Transfer) -> None:
-        """Decode side, on the peer's thread: the read request, the status, the layers."""
+        """Decode side, on the peer's thread: the read request and the status (world group),
+        the layers (the pair's group), then the GPU's work waited for: only then is the
+        transfer done (``_PeerThread`` sets ``done`` when this returns)."""
         spec = t.spec
+        group, name = self._data_group(t.peer)
         self.transport.send(torch.tensor([spec.remote_request_id, t.tag, spec.first_block,
                                           len(spec.block_ids)], dtype=torch.int64),
                             t.peer, tag=CTRL_TAG)
@@ -575,8 +677,10 @@ class P2PConnector(KVConnectorBase_V1):
         if t.status != STATUS_OK:
             return
         for layer, buf in enumerate(t.buffers):
-            self.transport.recv(buf, src=t.peer, tag=t.tag + 1 + layer)
+            self.transport.recv(buf, src=t.peer, tag=t.tag + 1 + layer, group=group)
+            self._count_layer(name)
             self._maybe_exit(layer + 1)
+        self._wait_for_device(t.buffers)
 
     def _maybe_exit(self, layers_done: int) -> None:
         if self.exit_after_layers is not None and layers_done >= self.exit_after_layers:

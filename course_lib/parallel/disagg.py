@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation on real processes: ``x`` prefill engines and ``y`` decode
 engines (``xPyD``), each a process with its own model, block pool and KV cache, joined by
-``torch.distributed`` (gloo on CPUs), and a proxy in the caller's process that routes requests.
+``torch.distributed``, and a proxy in the caller's process that routes requests.
 
 It is vLLM's disaggregated serving in miniature (vLLM 0.33.0's proxy examples under
 ``examples/online_serving/disaggregated_serving/`` and the NIXL connector's protocol, which
@@ -14,9 +14,33 @@ It is vLLM's disaggregated serving in miniature (vLLM 0.33.0's proxy examples un
   token and decodes; its output is the request's.
 
 Control travels on ``multiprocessing`` pipes (vLLM's proxy speaks HTTP to the engines); the K/V
-travels only between the engines. Processes are started as :mod:`course_lib.parallel.launch`
-starts ranks (``spawn``, a watchdog that kills a process whose parent is gone, and their whole
-process groups killed on :meth:`DisaggCluster.close`): no orphans, whatever happens.
+travels only between the engines.
+
+Devices and the data path (``device=``, :attr:`DisaggCluster.data_backend`):
+
+* ``device="cpu"``: every engine on the CPU. ``"cuda"``: engine rank ``r`` on
+  ``cuda:(r % torch.cuda.device_count())`` (``torch.cuda.set_device``), several engines
+  sharing a GPU when there are fewer GPUs than engines. ``"auto"``: ``"cuda"`` when CUDA is
+  available, else ``"cpu"``.
+* The world group of all engines is gloo, always: it carries the connector's control messages
+  (layouts at connect time, read requests, statuses: small CPU tensors).
+* Right after joining the world, every rank makes, in the same order, one group per
+  (prefill, decode) pair, ``dist.new_group([p, d], backend=data_backend)``; the K/V layer
+  messages of that pair go on it (:mod:`course_lib.engine.p2p_connector`, *Where the bytes
+  travel*, says why one group per pair is safe for NCCL). ``data_backend`` is ``"nccl"`` when
+  every engine is on CUDA and there is a GPU per engine (chapter 09's rule,
+  :func:`course_lib.parallel.launch.pick_backend`: NCCL cannot put two ranks on one GPU):
+  the blocks go GPU to GPU. Otherwise it is ``"gloo"``: on the CPU the layers are CPU
+  tensors anyway; engines sharing one GPU stage them through CPU memory (gathered and copied
+  to the CPU, sent, copied back to the GPU). The pair groups time out after
+  :data:`PAIR_TIMEOUT_S`, and NCCL's engine processes run with ``TORCH_NCCL_BLOCKING_WAIT=1``,
+  so a dead peer is a failed transfer (recovered below), not a hang. **Only the CPU path is
+  tested on this course's machine**: the NCCL path, and CUDA at all, are unverified here
+  (their tests in ``tests/test_disagg.py`` skip without GPUs).
+
+Processes are started as :mod:`course_lib.parallel.launch` starts ranks (``spawn``, a watchdog
+that kills a process whose parent is gone, and their whole process groups killed on
+:meth:`DisaggCluster.close`): no orphans, whatever happens.
 
 Faults: an engine process that dies is noticed by the proxy (its pipe closes). A request it
 was serving is sent again, from its prompt, to a live engine of the same role (a decode engine
@@ -47,11 +71,45 @@ ROLES = ("kv_producer", "kv_consumer")
 #: a peer that dies is noticed at once anyway (its connection closes), and the proxy bounds
 #: starting and each generate() by its own timeout_s.
 MESSAGE_TIMEOUT_S = 24 * 3600.0
+#: how long one K/V layer message on a pair group may wait. The layers follow a status the
+#: peer just sent on the world group, so a live peer is already sending: a short timeout is
+#: safe, and it is what turns a dead NCCL peer (NCCL waits, it does not notice) into an error.
+PAIR_TIMEOUT_S = 60.0
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for a ``device`` argument (``"auto"``: CUDA when available);
+    ``ValueError`` for anything else, or for ``"cuda"`` without CUDA."""
+    import torch
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device='cuda' but CUDA is not available (torch {torch.__version__}); "
+                         "use device='cpu' or 'auto'")
+    return device
+
+
+def data_backend_for(devices: Sequence[str]) -> str:
+    """The pair groups' backend for engines on ``devices`` (one per rank): ``"nccl"`` when
+    every engine is on CUDA with a GPU of its own, else ``"gloo"`` (module docstring)."""
+    import torch
+
+    if devices and all(d == "cuda" for d in devices) and \
+            torch.cuda.device_count() >= len(devices):
+        return "nccl"
+    return "gloo"
 
 
 @dataclass
 class EngineSpec:
-    """What one engine process runs: its role and rank, its configs, its model dtype, and an
+    """What one engine process runs: its role and rank, its configs, its model dtype, its
+    device (``"cpu"`` or ``"cuda"``: rank ``r`` then runs on ``cuda:(r % device_count)``), the
+    backend of its K/V pair groups (the same for every engine: :func:`data_backend_for`) and
+    how long one of their messages may wait in this process (``pair_timeout_s``), and an
     optional fault (``exit_after_layers``: it exits once its first transfer moved that many
     layers, :class:`~course_lib.engine.p2p_connector.P2PConnector`)."""
 
@@ -63,6 +121,9 @@ class EngineSpec:
     attn_impl: str = "auto"
     exit_after_layers: int | None = None
     abort_timeout_s: float = 120.0
+    device: str = "cpu"
+    data_backend: str = "gloo"
+    pair_timeout_s: float = PAIR_TIMEOUT_S
 
 
 @dataclass
@@ -95,10 +156,16 @@ class EngineDied(RuntimeError):
 
 def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port: int,
                  conn: Any, parent_pid: int) -> None:
-    """Body of one engine process: join the world, build the engine and its connector, meet
-    the peers, then serve the proxy's messages and step while there is work."""
+    """Body of one engine process: pick its device, join the world, make the pair groups,
+    build the engine and its connector, meet the peers, then serve the proxy's messages and
+    step while there is work."""
     _die_with_parent(parent_pid)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if spec.data_backend == "nccl":
+        # read when a NCCL group is made: a timed-out wait raises in its thread (a failed
+        # transfer) instead of a watchdog tearing the process down (p2p_connector's docstring)
+        os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     try:
         from datetime import timedelta
 
@@ -110,13 +177,19 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
         from ..model.loader import load_tiny_model
 
         torch.set_num_threads(1)
+        device = torch.device("cpu")
+        if spec.device == "cuda":
+            device = torch.device("cuda", spec.rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=spec.rank, world_size=world_size,
                                 timeout=timedelta(seconds=MESSAGE_TIMEOUT_S))
-        model = load_tiny_model(dtype=getattr(torch, spec.dtype))
+        groups = _pair_groups(spec.rank, roles, spec.data_backend, spec.pair_timeout_s)
+        model = load_tiny_model(device=device, dtype=getattr(torch, spec.dtype))
         connector = P2PConnector(spec.kv_role, spec.rank,
                                  abort_timeout_s=spec.abort_timeout_s,
-                                 exit_after_layers=spec.exit_after_layers)
+                                 exit_after_layers=spec.exit_after_layers,
+                                 data_groups=groups, data_backend=spec.data_backend)
         engine = LLMEngine(model, spec.scheduler_config, spec.cache_config,
                            attn_impl=spec.attn_impl, design="v1", kv_connector=connector)
         connector.connect(roles)
@@ -157,10 +230,36 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
             conn.poll(0.01)
 
 
+def _pair_groups(rank: int, roles: dict[int, str], backend: str, timeout_s: float
+                 ) -> dict[int, Any]:
+    """Every rank makes every (prefill, decode) pair's group, in one order (``new_group`` is
+    collective over the world: a rank outside the pair calls it too); this rank's, by peer."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    prefill = sorted(r for r, role in roles.items() if role == ROLES[0])
+    decode = sorted(r for r, role in roles.items() if role == ROLES[1])
+    groups = {}
+    for p in prefill:
+        for d in decode:
+            group = dist.new_group([p, d], backend=backend,
+                                   timeout=timedelta(seconds=timeout_s))
+            if rank in (p, d):
+                groups[d if rank == p else p] = group
+    return groups
+
+
 def _stats(engine: Any, connector: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
     kvm = engine.scheduler.kv_cache_manager
     engine.check_invariants()
-    return {"num_gpu_blocks": kvm.num_gpu_blocks, "num_free_blocks": kvm.num_free_gpu_blocks,
+    return {"device": str(engine.runner.device), "data_backend": connector.data_backend,
+            "data_groups": {peer: dist.get_process_group_ranks(g)
+                            for peer, g in (connector.data_groups or {}).items()},
+            "layer_messages": dict(connector.layer_messages),
+            "num_gpu_blocks": kvm.num_gpu_blocks, "num_free_blocks": kvm.num_free_gpu_blocks,
             "num_held_requests": connector.num_held_requests,
             "num_delayed_frees": len(kvm.delayed_frees),
             "num_sent_blocks": connector.num_sent_blocks,
@@ -178,7 +277,9 @@ class DisaggCluster:
     ``overrides``: rank -> fields of :class:`EngineSpec` to change for that engine (a
     ``block_size`` there changes its ``cache_config``): to build mismatched engines, or a
     fault (``exit_after_layers``). Prefill engines are ranks ``0 .. num_prefill - 1``.
-    ``timeout_s``: how long starting, and each :meth:`generate`, may take.
+    ``timeout_s``: how long starting, and each :meth:`generate`, may take. ``device``:
+    ``"cpu"``, ``"cuda"`` or ``"auto"`` (module docstring, *Devices and the data path*);
+    :attr:`data_backend` and :meth:`data_path` say what the K/V travels on.
 
     Use it as a context manager (``with DisaggCluster(1, 1) as c: c.generate(...)``), or call
     :meth:`close`."""
@@ -187,13 +288,14 @@ class DisaggCluster:
                  cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, attn_impl: str = "auto",
                  overrides: dict[int, dict[str, Any]] | None = None,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, device: str = "auto") -> None:
         for name, n in (("num_prefill", num_prefill), ("num_decode", num_decode)):
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4:
                 raise ValueError(f"{name} must be an int in 1..4 (processes on this machine), "
                                  f"got {n!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        device = resolve_device(device)
         cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256,
                                                    enable_prefix_caching=True)
         if not cache_config.enable_prefix_caching or cache_config.prefix_cache != "hash":
@@ -207,11 +309,16 @@ class DisaggCluster:
         self.specs = []
         for rank in range(world):
             spec = EngineSpec(rank, ROLES[rank >= num_prefill], cache_config,
-                              scheduler_config, attn_impl=attn_impl)
+                              scheduler_config, attn_impl=attn_impl, device=device)
             fields = dict(overrides.get(rank, {}))
             if "block_size" in fields:
                 spec.cache_config = replace(cache_config, block_size=fields.pop("block_size"))
+            if "device" in fields:
+                fields["device"] = resolve_device(fields["device"])
             self.specs.append(replace(spec, **fields))
+        #: the pair groups' backend, the same on every engine: "gloo" or "nccl"
+        self.data_backend = data_backend_for([s.device for s in self.specs])
+        self.specs = [replace(s, data_backend=self.data_backend) for s in self.specs]
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.timeout_s = timeout_s
         self.roles = {s.rank: s.kv_role for s in self.specs}
@@ -295,6 +402,15 @@ class DisaggCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def data_path(self) -> str:
+        """What the K/V travels on, in words: ``"nccl (GPU to GPU)"``, ``"gloo (staged
+        through CPU memory)"`` (engines on a shared GPU) or ``"gloo (CPU memory)"``."""
+        if self.data_backend == "nccl":
+            return "nccl (GPU to GPU)"
+        if any(s.device == "cuda" for s in self.specs):
+            return "gloo (staged through CPU memory)"
+        return "gloo (CPU memory)"
 
     def alive(self) -> list[int]:
         return [r for r, p in enumerate(self._procs) if p.is_alive() and r not in self.dead]
@@ -466,8 +582,11 @@ class DisaggCluster:
 
     # -------------------------------------------------------------------- inspect
     def stats(self) -> dict[int, dict[str, Any]]:
-        """Per live engine: its pool (blocks, free), what its connector holds and moved. Each
-        engine checks its invariants first (an error there is raised here)."""
+        """Per live engine: its device, its K/V data path (``data_backend``; ``data_groups``:
+        peer -> the ranks of the pair's group, as ``torch.distributed`` reports them;
+        ``layer_messages``: layer messages moved per group, ``"pair <p>-<d>"``), its pool
+        (blocks, free), what its connector holds and moved. Each engine checks its invariants
+        first (an error there is raised here)."""
         out = {}
         for rank in self.alive():
             self._conns[rank].send(("stats",))
