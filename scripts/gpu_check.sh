@@ -4,8 +4,9 @@
 #     bash scripts/gpu_check.sh [OUT_DIR]
 #  1. the kernel tests, compiled for the GPU (the interpreter is not used when CUDA is present),
 #     and the ahead-of-time check (python -m course_lib.kernels.aot) on the same Triton;
-#  2. the model and the engine on CUDA, and context parallelism over NCCL (tests marked gpu;
-#     the NCCL test needs two GPUs and says so on one);
+#  2. the model and the engine on CUDA, context parallelism over NCCL, and P/D disaggregation
+#     with its engines on CUDA (tests marked gpu; the NCCL tests need two GPUs and say so on one:
+#     on one GPU the P/D engines share it and their K/V goes over gloo through CPU memory);
 #  3. nbval of every notebook under the compiled backend (the stored outputs must not depend on
 #     the backend: see COURSE_BACKEND in README.md);
 #  4. bench/kernels.py --tiles: HBM bandwidth and paged/contiguous time for the large case, the
@@ -69,8 +70,8 @@ step kernel_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernel
 # the Triton exercises (0.x, 4.x) compiled: solutions pass, wrong kernels and torch answers fail
 step triton_exercises 240 python3 -m pytest -q -p no:cacheprovider tests/test_exercises.py \
     tests/test_exercises_ch00.py tests/test_exercises_ch04.py -k "0. or 4. or ch00 or ch04"
-step model_engine_cp_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/test_model.py tests/test_engine.py tests/test_parallel_cp.py
+step model_engine_cp_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
+    tests/test_model.py tests/test_engine.py tests/test_parallel_cp.py tests/test_disagg.py
 step notebooks_nbval 420 python3 -m pytest -q -p no:cacheprovider notebooks --nbval \
     --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
 step bench_kernels 300 python3 bench/kernels.py --tiles

@@ -207,6 +207,7 @@ def test_nccl_only_with_a_gpu_per_engine(monkeypatch, devices, gpus, backend):
 CUDA_PARAMS = [GREEDY, SEEDED] * 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 def test_1p1d_on_cuda_matches_one_engine_on_the_gpu():
     """Engines on CUDA (rank r on cuda:(r % device_count)); with one GPU the layers are
@@ -227,6 +228,7 @@ def test_1p1d_on_cuda_matches_one_engine_on_the_gpu():
     assert [o.outputs[0].token_ids for o in outs] == _colocated(prompts, CUDA_PARAMS, "cuda:0")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL)")
 def test_1p1d_over_nccl_and_a_prefill_engine_killed_mid_transfer():
     """NCCL between two GPUs; then the prefill engine dies after one layer of a request's
