@@ -123,8 +123,9 @@ def test_2p1d_spreads_prefills_and_matches_one_engine():
     assert [o.outputs[0].token_ids for o in outs] == _colocated(prompts, SEEDED)
 
 
-@pytest.mark.parametrize("field, value, said", [("block_size", 8, "block_size: 16 vs 8"),
-                                                ("dtype", "float64", "dtype")])
+@pytest.mark.parametrize("field, value, said", [
+    ("block_size", 8, "block_size: 16 vs 8"),
+    ("dtype", "float64", "differ in dtype: float32 vs float64")])
 def test_engines_that_cannot_exchange_blocks_are_refused_at_connect_time(field, value, said):
     with pytest.raises(ValueError, match=said):
         DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu",
@@ -184,6 +185,30 @@ def test_bad_deployments_are_refused_before_any_process_starts():
         DisaggCluster(1, 1, device="gpu")
     with pytest.raises(ValueError, match="device must be one of"):
         DisaggCluster(1, 1, overrides={1: {"device": "tpu"}})
+    assert not _our_processes()
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ({0: {"kv_role": "kv_consumer"}}, r"overrides\[0\] names \['kv_role'\]"),
+    ({1: {"rank": 0}}, r"overrides\[1\] names \['rank'\]"),
+    ({0: {"bogus": 1}}, r"names \['bogus'\]; an override may change"),
+    ({0: {"dtype": "int8"}},
+     r"dtype must be one of \('float32', 'float64', 'float16', 'bfloat16'\)"),
+    ({0: {"attn_impl": "flash"}}, r"attn_impl must be one of"),
+    ({0: {"exit_after_layers": "x"}}, r"exit_after_layers must be None or an int >= 1"),
+    ({0: {"exit_after_layers": 0}}, r"exit_after_layers must be None or an int >= 1"),
+    ({1: {"pair_timeout_s": -1}}, r"pair_timeout_s must be a number of seconds > 0"),
+    ({1: {"abort_timeout_s": True}}, r"abort_timeout_s must be a number of seconds > 0"),
+    ({1: {"scheduler_config": {}}}, r"scheduler_config must be None or a SchedulerConfig"),
+    ({1: "fast"}, r"overrides\[1\] must be a dict"),
+])
+def test_bad_overrides_are_refused_before_any_process_starts(overrides, said):
+    """A rank given another rank or role would start and never find its peers (it hung until
+    the start timeout); a bad dtype or fault failed only inside the process, or not at all."""
+    with pytest.raises(ValueError, match=said):
+        DisaggCluster(1, 1, overrides=overrides)
+    with pytest.raises(ValueError, match="attn_impl must be one of"):
+        DisaggCluster(1, 1, attn_impl="flash")
     assert not _our_processes()
 
 

@@ -270,6 +270,45 @@ def _stats(engine: Any, connector: Any) -> dict[str, Any]:
             "num_unfinished": int(engine.has_unfinished_requests())}
 
 
+#: the fields of :class:`EngineSpec` an override may change (rank, role and data backend are
+#: the cluster's to set: a rank given another role or rank would not find its peers)
+OVERRIDABLE = ("block_size", "dtype", "attn_impl", "device", "scheduler_config",
+               "exit_after_layers", "abort_timeout_s", "pair_timeout_s")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _check_engine_fields(rank: int | None, fields: Any) -> None:
+    """``ValueError`` naming the engine and the field for an override the engine process
+    would fail on (or, worse, start with), before any process starts."""
+    from ..kernels.backends import ATTN_BACKENDS
+
+    where = "DisaggCluster" if rank is None else f"overrides[{rank}]"
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where} must be a dict of EngineSpec fields, got {fields!r}")
+    unknown = sorted(set(fields) - set(OVERRIDABLE))
+    if unknown:
+        raise ValueError(f"{where} names {unknown}; an override may change {OVERRIDABLE}")
+
+    def bad(name: str, value: Any, valid: str) -> ValueError:
+        return ValueError(f"{where}: {name} must be {valid}, got {value!r}")
+
+    for name, value in fields.items():
+        if name == "dtype" and value not in DTYPES:
+            raise bad(name, value, f"one of {DTYPES}")
+        if name == "attn_impl" and value not in ATTN_BACKENDS:
+            raise bad(name, value, f"one of {ATTN_BACKENDS}")
+        if name == "exit_after_layers" and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad(name, value, "None or an int >= 1")
+        if name in ("abort_timeout_s", "pair_timeout_s") and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+                or not value > 0):
+            raise bad(name, value, "a number of seconds > 0")
+        if name == "scheduler_config" and not (value is None
+                                               or isinstance(value, SchedulerConfig)):
+            raise bad(name, value, "None or a SchedulerConfig")
+
+
 class DisaggCluster:
     """``num_prefill`` prefill engines and ``num_decode`` decode engines on their own
     processes (module docstring), and the proxy that routes requests among them.
@@ -306,6 +345,9 @@ class DisaggCluster:
         bad = [r for r in overrides if not (isinstance(r, int) and 0 <= r < world)]
         if bad:
             raise ValueError(f"overrides name ranks {bad}; the ranks are 0..{world - 1}")
+        _check_engine_fields(None, {"attn_impl": attn_impl})
+        for rank, fields in overrides.items():
+            _check_engine_fields(rank, fields)
         self.specs = []
         for rank in range(world):
             spec = EngineSpec(rank, ROLES[rank >= num_prefill], cache_config,
