@@ -15,8 +15,9 @@ class means remembering every new field in two more methods; here there is one m
   dict sees it restored too; anything else in a field (a number, a string, a tuple, another
   object) is kept by reference: another object is touched on its own, or it is not part of
   the step's state. A field added to a class tomorrow is saved without anyone remembering.
-  Two class attributes tune it: ``__rollback_append_only__`` names lists a step only appends
-  to (their length is saved, not their items: a sequence's output tokens), and
+  Two class attributes tune it: ``__rollback_append_only__`` names lists a step only grows
+  at the end (their length and last item are saved, not their items: a sequence's output
+  tokens, a block table's block ids, whose copy-on-write replaces the last one), and
   ``__rollback_skip__`` names fields that are not state (a lock, a reference to a
   configuration object that never changes).
 * **A log of undos**, for a structure too large to copy each step: the waiting queue, which
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 #: container types copied (and put back in place); exact types only, so that a subclass
@@ -100,19 +101,57 @@ def _copy(saved: Any) -> Any:
 
 
 class _Appended:
-    """A list a step only appends to: its length is enough to put it back."""
+    """A list a step only grows at the end: O(1) to save, whatever its length.
 
-    __slots__ = ("obj", "length")
+    The contract (``__rollback_append_only__``): until the step ends, the list is changed
+    only by appending and by overwriting items from its last one at the save on (V0's
+    copy-on-write replaces a table's last block id in place); it never shrinks below its
+    saved length and no item before the last is written. A list taken out of the field
+    whole and replaced (a swap, a free) is fine: the old list is left as it was. So its
+    length and its last item put it back exactly: truncate, then restore the last."""
+
+    __slots__ = ("obj", "length", "last")
 
     def __init__(self, obj: list) -> None:
         self.obj, self.length = obj, len(obj)
+        self.last = obj[-1] if obj else None
 
     def put_back(self) -> list:
-        del self.obj[self.length:]
-        return self.obj
+        obj = self.obj
+        del obj[self.length:]
+        if self.length:
+            obj[-1] = self.last
+        return obj
 
     def copy(self) -> list:
-        return self.obj[:self.length]
+        return self.obj[:self.length - 1] + [self.last] if self.length else []
+
+    def view(self) -> AppendedView:
+        return AppendedView(self.obj, self.length, self.last)
+
+
+class AppendedView(Sequence):
+    """A list saved by length (:class:`_Appended`) as it was at the save, read in place: no
+    copy, O(1) per item. Valid while the step lasts (the contract keeps the items before the
+    saved last one unchanged); for readers of one step's start, such as
+    ``engine/rollback.blocks_at_risk``."""
+
+    __slots__ = ("_obj", "_length", "_last")
+
+    def __init__(self, obj: list, length: int, last: Any) -> None:
+        self._obj, self._length, self._last = obj, length, last
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, i: int) -> Any:    # an int index only (a slice would be a copy)
+        if not isinstance(i, int):
+            raise TypeError(f"an AppendedView takes an int index, got {type(i).__name__}")
+        if i < 0:
+            i += self._length
+        if not 0 <= i < self._length:
+            raise IndexError(f"index must be in [-{self._length}, {self._length}), got {i}")
+        return self._last if i == self._length - 1 else self._obj[i]
 
 
 class _Layout(NamedTuple):
@@ -234,6 +273,22 @@ class Checkpoint:
         if type(fields) is tuple:
             fields = dict(zip(_layout(type(obj)).slots, fields, strict=True))
         return _copy(fields[name])
+
+    def saved_view(self, obj: object, name: str) -> Any:
+        """Field ``name`` of ``obj`` as it was when first touched, without a copy (``KeyError``:
+        never touched): a list saved by length as an :class:`AppendedView`, another saved
+        container as the checkpoint's own copy of its items (read it, never change it: the
+        rollback puts it back), anything else as it is. For a reader of the step's start
+        that needs a few items, where :meth:`saved` would copy the whole container."""
+        fields = self._fields[id(obj)][1]
+        if type(fields) is tuple:
+            fields = dict(zip(_layout(type(obj)).slots, fields, strict=True))
+        value = fields[name]
+        if type(value) is _Appended:
+            return value.view()
+        if type(value) is _Saved and not value.nested:
+            return value.items
+        return _copy(value)
 
     def at_start(self, obj: object, name: str) -> Any:
         """Field ``name`` of ``obj`` as it was when the step began: its saved value if the

@@ -2,7 +2,9 @@
 puts them back; containers in place; append-only lists by length; many small objects in one
 pass; logs of undos; closed once; resumable after a failure. A hypothesis test mutates random
 object graphs and checks that a rollback restores them exactly, and is proven on two broken
-checkpoints (one that keeps references instead of copies, one that forgets slots)."""
+checkpoints (one that keeps references instead of copies, one that forgets slots). V0's
+block tables, saved by length and last item, are rolled back after random manager calls
+(copy-on-write included), proven on a length-only saving that misses the copy-on-write."""
 
 from __future__ import annotations
 
@@ -424,3 +426,128 @@ def test_without_their_own_saving_a_rollback_is_wrong(design):
     except AssertionError:                    # the manager's own invariants trip
         restored = False
     assert not restored
+
+
+# ------------------------------- V0: block tables saved by length and last item, rolled back
+V0_OPS = st.lists(st.tuples(st.sampled_from(["admit", "decode", "chunk", "fork", "free", "swap_out",
+                                             "swap_in", "mark"]),
+                            st.integers(0, 5), st.integers(0, 9)), max_size=25)
+
+
+def play_v0(m, ops, live: list[int], next_id: list[int]) -> int:
+    """V0 calls as the scheduler makes them (admit, decode, a prefill chunk, fork, free, swap
+    out and in, mark computed) on the sequences in ``live``; returns the copy-on-writes."""
+    from course_lib.memory.common import AllocStatus
+
+    cows = 0
+    for op, pick, k in ops:
+        seq = live[pick % len(live)] if live else None
+        on_gpu = seq is not None and m.get_table(seq).device == "gpu"
+        if op == "admit":
+            prompt = [1, 2, 3, 4, 5, 6][:k % 6 + 1] + [pick]
+            if m.can_allocate(prompt) is AllocStatus.OK:
+                m.allocate(next_id[0], prompt)
+                m.mark_blocks_as_computed(next_id[0], len(prompt))
+                live.append(next_id[0])
+                next_id[0] += 1
+        elif op == "decode" and on_gpu:
+            grown = m.append_decode([seq], [k])
+            cows += bool(grown and grown[0])
+        elif op == "chunk" and on_gpu and m.can_append_slots(seq, k % 4):
+            cows += bool(m.append_slots(seq, [7] * (k % 4)))
+        elif op == "fork" and on_gpu:
+            m.fork(seq, next_id[0])
+            live.append(next_id[0])
+            next_id[0] += 1
+        elif op == "free" and seq is not None:
+            m.free(seq)
+            live.remove(seq)
+        elif op == "swap_out" and on_gpu and m.can_swap_out([seq]):
+            m.swap_out([seq])
+        elif op == "swap_in" and seq is not None and not on_gpu \
+                and m.can_swap_in([seq]) is AllocStatus.OK:
+            m.swap_in([seq])
+        elif op == "mark" and on_gpu:
+            m.mark_blocks_as_computed(seq, m.get_table(seq).num_tokens)
+    return cows
+
+
+def v0_state(m) -> tuple:
+    """The manager's public state, and which objects its tables and their lists are (a
+    rollback puts back the very lists handed out to the step's readers)."""
+    from memory_helpers import snapshot
+
+    ids = {s: (id(t), id(t.blocks), id(t.token_ids), id(t.block_hashes))
+           for s, t in ((s, m.get_table(s)) for s in m.seq_ids())}
+    return snapshot(m), ids
+
+
+def v0_rolls_back(first, second, caching: bool) -> tuple[bool, int]:
+    """(whether the rollback gave the manager back exactly, the copy-on-writes of
+    ``second``)."""
+    from memory_helpers import checkpoint
+
+    from course_lib.memory.v0.fast import FastBlockManager
+
+    m, live, next_id = FastBlockManager(2, 16, 8, 0.0, caching), [], [0]
+    play_v0(m, first, live, next_id)
+    before = v0_state(m)
+    c = checkpoint(m)
+    cows = play_v0(m, second, list(live), next_id)
+    c.rollback()
+    try:
+        m.check_invariants()
+    except AssertionError:                    # the ref counts no longer match the tables
+        return False, cows
+    return v0_state(m) == before, cows
+
+
+@settings(max_examples=150, deadline=None)
+@given(first=V0_OPS, second=V0_OPS, caching=st.booleans())
+def test_v0_tables_saved_by_length_roll_back_exactly(first, second, caching):
+    """A V0 step's checkpoint saves each table's lists by length and last item: after any
+    calls (appends, copy-on-write of a shared last block, forks, frees, swaps), a rollback
+    gives the manager back exactly, each table's own lists in place."""
+    assert v0_rolls_back(first, second, caching)[0]
+
+
+# a forked sequence with a shared partial last block (3 tokens, block 2) decodes: copy-on-write
+COW_FIRST = [("admit", 0, 1), ("fork", 0, 0)]
+COW_SECOND = [("decode", 0, 1), ("decode", 0, 2)]
+
+
+def test_a_length_only_saving_misses_the_copy_on_write(monkeypatch):
+    """The detector: saving the tables' lists by length alone (forgetting that a
+    copy-on-write replaces the last block id in place) leaves the table pointing at the
+    copy after a rollback, and the test above sees it."""
+    assert v0_rolls_back(COW_FIRST, COW_SECOND, False) == (True, 1)   # a CoW ran, undone
+    monkeypatch.setattr(ck._Appended, "put_back",
+                        lambda self: self.obj.__delitem__(slice(self.length, None)) or self.obj)
+    assert v0_rolls_back(COW_FIRST, COW_SECOND, False) == (False, 1)
+
+
+def test_a_v0_step_saves_its_tables_without_copying_them(monkeypatch):
+    """What a V0 step saves of a table does not grow with it: each list is saved by length,
+    and read back at the step's start as a view of the table's own list (``saved_view``,
+    what ``engine/rollback.blocks_before`` reads). Proven: without the class's
+    ``__rollback_append_only__`` the lists are copied, and this test says so."""
+    from memory_helpers import checkpoint
+
+    from course_lib.checkpoint import AppendedView
+    from course_lib.memory.v0.block_table import BlockTable
+    from course_lib.memory.v0.fast import FastBlockManager
+
+    def saved_by_length() -> bool:
+        m = FastBlockManager(4, 64, 0, 0.0, True)
+        m.allocate(0, list(range(101)))
+        m.mark_blocks_as_computed(0, 101)
+        c, table = checkpoint(m), m.get_table(0)
+        views = [c.saved_view(table, n) for n in ("blocks", "token_ids", "block_hashes")]
+        m.append_decode([0], [5])
+        return all(type(v) is AppendedView for v in views) \
+            and list(views[0]) == table.blocks[:26] and len(views[1]) == 101
+
+    assert saved_by_length()
+    monkeypatch.delattr(BlockTable, "__rollback_append_only__")
+    monkeypatch.setattr(ck, "_LAYOUTS", {})                  # the layouts worked out again
+    assert not saved_by_length()

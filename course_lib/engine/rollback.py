@@ -35,7 +35,7 @@ what an earlier step saved.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -111,19 +111,22 @@ def begin_connector(checkpoint: Checkpoint, connector: object | None) -> None:
 
 class BlocksBefore(NamedTuple):
     """What the blocks were when the step began, as :func:`blocks_at_risk` needs it."""
-    tables: dict[int, tuple[str, list[int]]]   # seq_id -> (device, block ids)
+    tables: dict[int, tuple[str, Sequence[int]]]   # seq_id -> (device, block ids), read only
     gpu_mattered: Callable[[int], bool]         # held or cached then: its contents matter
     cpu_mattered: Callable[[int], bool]
 
 
 def blocks_before(checkpoint: Checkpoint, manager: object) -> BlocksBefore:
     """The block tables and block states at the start of the step, from what ``checkpoint``
-    saved (one entry per design, as :func:`manager_parts`)."""
+    saved (one entry per design, as :func:`manager_parts`). V0's are read in place
+    (``Checkpoint.saved_view``): a table's block ids, saved by length, are a view of its own
+    list, so that this costs O(sequences), not O(their blocks), each step."""
     if isinstance(manager, BlockManager):
-        tables = {s: (checkpoint.saved(t, "device"), checkpoint.saved(t, "blocks"))
-                  for s, t in checkpoint.saved(manager, "_tables").items()}
-        gpu = checkpoint.saved(manager.gpu, "_state")
-        cpu = checkpoint.saved(manager.cpu, "_state")
+        view = checkpoint.saved_view
+        tables = {s: (view(t, "device"), view(t, "blocks"))
+                  for s, t in view(manager, "_tables").items()}
+        gpu = view(manager.gpu, "_state")
+        cpu = view(manager.cpu, "_state")
         return BlocksBefore(tables, lambda b: gpu[b] != FREE, lambda b: cpu[b] != FREE)
     if isinstance(manager, KVCacheManager):
         tables = {s: ("gpu", [b.block_id for b in blocks])
@@ -147,8 +150,10 @@ def blocks_at_risk(out: SchedulerOutput, before: BlocksBefore,
     """(GPU blocks, CPU blocks) this step writes whose contents mattered when it started:
     destinations of copy-on-write copies, swaps and a KV connector's loads, and blocks the
     forward writes new tokens' K/V into, except those that were free then and, for the
-    forward, a sequence's own blocks (it writes past its old end there, where nothing
-    lived)."""
+    forward, a sequence's own blocks at the same place in its table (it writes past its old
+    end there, where nothing lived; a block read by its position, O(1), not looked up among
+    all its blocks: a block the table held elsewhere, after a free and a new allocation in
+    the step, is saved)."""
     gpu = {dst for _, dst in out.blocks_to_copy} | {dst for _, dst in out.blocks_to_swap_in}
     if out.kv_connector_metadata is not None:          # a connector's loads write these
         gpu.update(out.kv_connector_metadata.gpu_blocks_written())
@@ -156,8 +161,9 @@ def blocks_at_risk(out: SchedulerOutput, before: BlocksBefore,
         ctx = e.seq.num_computed_tokens              # before update() advances it
         first, last = ctx // block_size, (ctx + e.num_tokens - 1) // block_size
         device, own = before.tables.get(e.seq.seq_id, (None, ()))
-        mine = set(own) if device == "gpu" else set()
-        gpu.update(b for b in e.block_ids[first:last + 1] if b not in mine)
+        n = len(own) if device == "gpu" else 0
+        gpu.update(b for i, b in enumerate(e.block_ids[first:last + 1], first)
+                   if i >= n or own[i] != b)
     cpu = {dst for _, dst in out.blocks_to_swap_out}
     return (sorted(b for b in gpu if before.gpu_mattered(b)),
             sorted(b for b in cpu if before.cpu_mattered(b)))

@@ -26,7 +26,17 @@ def common_full_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> i
 
 @dataclass(eq=False, slots=True)
 class BlockTable:
-    """Plain state of one sequence in the block manager (the manager mutates it)."""
+    """Plain state of one sequence in the block manager (the manager mutates it).
+
+    Its three lists only grow at the end within a step: tokens and hashes are appended,
+    blocks appended or, on a copy-on-write, the last one replaced in place; a swap or a
+    free takes the whole list out, leaving the old one as it was. So a step's checkpoint
+    saves each by its length and last item (``__rollback_append_only__``,
+    ``course_lib/checkpoint.py``), O(1) per table, never a copy that grows with the
+    sequence. A method that writes an earlier item, or shrinks a list, breaks that
+    contract (``tests/test_checkpoint.py`` rolls random V0 calls back and would see it)."""
+
+    __rollback_append_only__ = ("blocks", "token_ids", "block_hashes")
 
     seq_id: int
     block_size: int
@@ -68,8 +78,9 @@ class BlockTable:
         return self.blocks
 
     def writable_blocks(self) -> list[int]:
-        """``blocks``, to change in place (an append, the copy-on-write of the last block).
-        It is the list :meth:`hand_out` gave: its reader sees the change."""
+        """``blocks``, to change in place (an append, the copy-on-write of the last block:
+        nothing else, the class docstring's contract with the step's checkpoint). It is the
+        list :meth:`hand_out` gave: its reader sees the change."""
         return self.blocks
 
     def copy(self, seq_id: int) -> BlockTable:
