@@ -34,11 +34,13 @@ A separate section then throws a bounded burst at ``/metrics`` (``serve_metrics`
 127.0.0.1, the metrics of a model-free replay): 2,000 scrapes from 32 threads of another
 process (as a Prometheus server scrapes: not sharing the server's interpreter lock) while a slow
 client trickles header bytes, printing p50/p99 latency (target: p99 under 100 ms) and whether
-the slow client blocked the others (:func:`metrics_section`).
+the slow client blocked the others (:func:`metrics_section`); then 500 scrapes while a
+model-free replay steps in the served process (:func:`metrics_while_stepping_section`).
 
     python bench/chaos.py               # first and middle calls, soaks of 300 requests
     python bench/chaos.py --quick       # first calls, soaks of 24 requests (under a minute)
     python bench/chaos.py --exhaustive  # several calls of every site, to the end (long)
+    python bench/chaos.py --metrics-only  # only the /metrics bursts (about half a minute)
 """
 
 from __future__ import annotations
@@ -286,10 +288,8 @@ def metrics_section(scrapes: int = 2000, threads: int = 32) -> dict:
 
     metrics = replay(sharegpt_like(200, seed=0), with_metrics=True).metrics
     server, port = serve_metrics(metrics)
-    try:      # the scrapers in a process of their own, as a Prometheus server is: not
-        with concurrent.futures.ProcessPoolExecutor(   # sharing the server's interpreter lock
-                1, mp_context=multiprocessing.get_context("spawn")) as scrapers:
-            got = scrapers.submit(scrape_burst, port, scrapes, threads).result()
+    try:
+        got = _burst_from_another_process(port, scrapes, threads)
     finally:
         server.shutdown()
         server.server_close()
@@ -305,17 +305,75 @@ def metrics_section(scrapes: int = 2000, threads: int = 32) -> dict:
     return got
 
 
+def _burst_from_another_process(port: int, scrapes: int, threads: int) -> dict:
+    """:func:`scrape_burst` run in a process of its own, as a Prometheus server is: its
+    threads do not share the served process's interpreter lock."""
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as scrapers:
+        return scrapers.submit(scrape_burst, port, scrapes, threads).result()
+
+
+def metrics_while_stepping_section(scrapes: int = 500, threads: int = 32,
+                                   num_requests: int = 1000) -> dict:
+    """The same burst (fewer scrapes) while a model-free replay (``num_requests``
+    ShareGPT-like requests) steps in the served process, as ``python -m course_lib
+    serve-metrics --model-free`` serves it: the steps are pure Python, so the scrapes'
+    threads share the interpreter lock with them, and the metrics change every step (the
+    body is rendered again). Prints the figures and how many steps ran during the burst."""
+    from course_lib.scheduler.metrics import serve_metrics
+    from course_lib.sim.replay import replay
+    from course_lib.sim.traces import sharegpt_like
+
+    served: list = []
+    up, done = threading.Event(), threading.Event()
+
+    def serve(metrics) -> None:
+        served.extend([metrics, *serve_metrics(metrics)])
+        up.set()
+
+    def run() -> None:
+        try:
+            replay(sharegpt_like(num_requests, seed=0), on_metrics=serve)
+        finally:
+            done.set()
+            up.set()
+
+    threading.Thread(target=run, name="replay", daemon=True).start()
+    up.wait()
+    metrics, server, port = served
+    try:
+        v0 = metrics.version
+        got = _burst_from_another_process(port, scrapes, threads)
+        changes, overlapped = metrics.version - v0, not done.is_set()
+    finally:
+        done.wait()
+        server.shutdown()
+        server.server_close()
+    print(f"/metrics burst while a replay steps: {got['ok']} of {scrapes} scrapes from "
+          f"{threads} threads of another process in {got['wall_s']:.1f} s: p50 "
+          f"{got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms, max {got['max_ms']:.1f} ms, "
+          f"errors {got['errors']}; {changes} metric changes (3 a step) during the burst"
+          f"{'' if overlapped else ' (the replay ended before the burst did)'}")
+    return got
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="first calls only, soaks of 24 requests")
     parser.add_argument("--exhaustive", action="store_true",
                         help="several calls of every site, each run to its end, second faults")
+    parser.add_argument("--metrics-only", action="store_true",
+                        help="only the /metrics bursts (idle, then while a replay steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--design", action="append", choices=list(fs.DESIGNS),
                         help="one design (repeatable; default: all four)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.metrics_only:
+        metrics_section()
+        metrics_while_stepping_section()
+        return
     n = 24 if args.quick else 300
     model = load_tiny_model()
     sites = fs.enumerate_sites()
@@ -344,6 +402,7 @@ def main() -> None:
     print(f"failing: {len(failing)}" + "".join(f"\n  {f}" for f in failing))
     print(f"wall time: {time.perf_counter() - t0:.1f} s")
     metrics_section()
+    metrics_while_stepping_section()
 
 
 if __name__ == "__main__":

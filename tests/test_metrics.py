@@ -227,7 +227,7 @@ def test_a_silent_client_does_not_block_a_scrape(monkeypatch, capfd):
 
     from course_lib.scheduler import metrics as metrics_module
 
-    monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 0.5)
+    monkeypatch.setattr(metrics_module.MetricsServer, "request_deadline_s", 0.5)
     server, port = serve_metrics(Metrics(small_scheduler()))
     try:
         with socket.create_connection(("127.0.0.1", port)):
@@ -251,7 +251,7 @@ def test_a_client_trickling_its_headers_blocks_no_scrape_and_is_cut_at_its_deadl
 
     from course_lib.scheduler import metrics as metrics_module
 
-    monkeypatch.setattr(metrics_module._QuietHandler, "timeout", 2.0)
+    monkeypatch.setattr(metrics_module.MetricsServer, "request_deadline_s", 2.0)
     server, port = serve_metrics(Metrics(small_scheduler()))
     stop = threading.Event()
     try:
@@ -377,3 +377,108 @@ def test_a_reused_request_id_starts_a_new_itl_clock():
     # the new request: 2 tokens, one ITL; its first token is not an ITL of the old one
     assert m.value("vllm:time_per_output_token_seconds_count") == count + 1
     assert m._last_token_time == {}
+
+
+# ------------------------------------------------------- a scrape beside a running step
+def test_a_scrape_never_waits_for_a_step_nor_sees_half_of_one():
+    """A step is stopped half-way through its commit (the generation counter's ``inc``
+    blocks on an Event: its gauges are set, its counters not yet). A scrape meanwhile is
+    answered at once, while the step is still blocked, and with the metrics as of a whole
+    step: the last committed one, or the one before (never rendered mid-commit). Before
+    the snapshot a scrape rendered the collectors as they were: the new KV usage beside the
+    old token counts."""
+    import threading
+
+    from course_lib.scheduler import metrics as metrics_module
+
+    s = small_scheduler()
+    m = Metrics(s)
+    for i in range(4):
+        s.add_request(i, tuple(range(1, 13)), SamplingParams(max_tokens=4))
+    server, port = serve_metrics(m)
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def step(now: float) -> None:                   # the engine's step, metrics-wise
+        m.begin()
+        out = s.schedule()
+        finished = s.update(out, fake_samples(out), now=now)
+        m.update(s)
+        m.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
+        m.observe_finished(finished)
+        m.commit()
+
+    entered, release, answered = threading.Event(), threading.Event(), []
+    real = m.generation_tokens
+
+    class HeldCounter:                                   # its inc waits for `release`
+        def labels(self, *values):
+            child = real.labels(*values)
+
+            class Child:
+                def inc(self, amount: float) -> None:
+                    entered.set()
+                    release.wait(30)
+                    child.inc(amount)
+            return Child()
+
+    try:
+        before = get(url)[1]                            # rendered: the body of version v0
+        step(0.5)
+        whole = metrics_module.classic_text(m.registry).decode()   # step 1, never served yet
+        m.generation_tokens = HeldCounter()
+        stepping = threading.Thread(target=step, args=(1.0,))
+        stepping.start()
+        assert entered.wait(30)                         # step 2 is half-way through its commit
+        mid = get(url)[1]
+        answered.append(not release.is_set())           # answered while the step was blocked
+        release.set()
+        stepping.join(30)
+        m.generation_tokens = real
+        after = get(url)[1]
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+    assert answered == [True]
+    assert mid in (before, whole), "a scrape served a half-applied step"
+    assert after not in (before, whole)                 # step 2 is served once committed
+    assert f"vllm:generation_tokens_total{{model_name=\"course-model\"}} " \
+           f"{m.value('vllm:generation_tokens_total')}" in after
+
+
+def test_the_server_speaks_enough_http():
+    """GET and HEAD of /metrics (HEAD: the same headers, no body), 405 for another method,
+    400 for a malformed request line, 431 for a request head over 8 KiB; one request per
+    connection."""
+    import socket
+
+    from course_lib.scheduler import metrics as metrics_module
+
+    def raw(port: int, request: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request)
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        return got
+
+    server, port = serve_metrics(Metrics(small_scheduler()))
+    try:
+        got = raw(port, b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n")
+        head = raw(port, b"HEAD /metrics HTTP/1.1\r\nHost: a\r\n\r\n")
+        post = raw(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        bad = raw(port, b"hello\r\n\r\n")
+        big = raw(port, b"GET /metrics HTTP/1.1\r\nX-Big: "
+                  + b"a" * metrics_module.MetricsServer.max_head_bytes + b"\r\n\r\n")
+    finally:
+        server.shutdown()
+        server.server_close()
+    status, _, body = got.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200 OK") and b"Connection: close" in status
+    assert f"Content-Length: {len(body)}".encode() in status
+    assert b"vllm:num_requests_running" in body
+    assert head.startswith(b"HTTP/1.1 200 OK") and head.endswith(b"\r\n\r\n")
+    assert f"Content-Length: {len(body)}".encode() in head
+    assert post.startswith(b"HTTP/1.1 405") and b"Allow: GET, HEAD" in post
+    assert bad.startswith(b"HTTP/1.1 400")
+    assert big.startswith(b"HTTP/1.1 431")

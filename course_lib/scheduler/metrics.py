@@ -43,18 +43,20 @@ Every series exists from the start, at 0 (as vLLM creates its labelled series wh
 starts), so that a ``rate()`` over a window that begins before the first preemption counts it.
 
 :func:`serve_metrics` always answers in the classic text format (``text/plain;
-version=0.0.4``), whatever the scraper asks for: see :func:`metrics_app` for why.
+version=0.0.4``), whatever the scraper asks for: see :class:`MetricsServer` for why. A scrape
+reads :meth:`Metrics.exposition`: the text as of the end of the last change applied (never
+half a step's changes), rendered once per change and never waiting for a step.
 """
 
 from __future__ import annotations
 
-import io
+import selectors
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from email.utils import formatdate
+from urllib.parse import urlsplit
 
 from prometheus_client import (
     CollectorRegistry,
@@ -82,7 +84,7 @@ class Metrics:
     names (by default the scheduler's design). ``version`` counts the changes applied to
     them (by :meth:`update`, :meth:`observe_step`, :meth:`observe_finished`, :meth:`forget`):
     change the collectors through these only, and a scrape between two changes reuses the
-    last body.
+    last body (:meth:`exposition`).
 
     **A step's changes are all or nothing.** Each of those methods first reads everything it
     needs (the reads can fail), then applies (collectors and this object's own maps). Between
@@ -172,8 +174,10 @@ class Metrics:
         self._last_token_time: dict[Request, float] = {}
         self._prefix_caching = cc.enable_prefix_caching
         self.version = 0
+        self._applying = False                 # True while _apply changes the collectors
         self._pending: list[Callable[[], object]] | None = None   # a step's, until commit
         self.update(scheduler)
+        self._exposition = (self.version, classic_text(reg))   # (version, body): consistent
 
     # ------------------------------------------------------- a step: all or nothing
     def begin(self) -> None:
@@ -194,10 +198,15 @@ class Metrics:
         if self._pending is not None:
             self._pending.extend(changes)
             return
-        for change in changes:
-            change()
-        if changes:
-            self.version += 1
+        if not changes:
+            return
+        self._applying = True        # a scrape rendering now may see half: it will not keep it
+        try:
+            for change in changes:
+                change()
+        finally:
+            self.version += 1        # before the flag drops: see exposition()
+            self._applying = False
 
     # ------------------------------------------------------------------ the readings
     def update(self, scheduler: Scheduler | SchedulerV1) -> None:
@@ -285,6 +294,29 @@ class Metrics:
                     self.request_tpot.labels(m).observe(tpot)
         self._apply([change])
 
+    def exposition(self) -> bytes:
+        """The registry in the classic text format (:func:`classic_text`) as of the end of
+        the last change applied: what a scrape answers. It takes no lock, so it never waits
+        for a step to end, and it never shows part of a change (in the engine,
+        a whole step's changes are one, applied at its commit).
+
+        Rendered at most once per :attr:`version` (pure Python, about a millisecond: a burst
+        of scrapers would otherwise each pay it). A scrape that finds a change being applied
+        gets the last body at once. A render is kept only if no change was applied while it
+        ran (``version`` and ``_applying`` read before and after, a seqlock: ``_apply``
+        raises ``_applying`` first and bumps ``version`` before dropping it); else the last
+        body is answered: collectors read mid-change are never served. Either way the
+        answer is at most the changes of that instant behind."""
+        last_version, last_body = self._exposition
+        version = self.version
+        if version == last_version or self._applying:
+            return last_body
+        body = classic_text(self.registry)
+        if self._applying or self.version != version:       # a change ran meanwhile
+            return last_body
+        self._exposition = (version, body)
+        return body
+
     def value(self, name: str) -> float:
         """One sample's current value, e.g. ``value("vllm:num_preemptions_total")``."""
         got = self.registry.get_sample_value(name, {"model_name": self.model_name})
@@ -295,8 +327,9 @@ class Metrics:
 
 
 CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-WSGIApp = Callable[[dict, Callable], list[bytes]]
+# one non-blocking socket call without a mode switch (an fcntl, and a release of the
+# interpreter lock, saved per connection); where it is missing, sockets are made non-blocking
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
 
 
 def classic_text(registry: CollectorRegistry) -> bytes:
@@ -307,123 +340,231 @@ def classic_text(registry: CollectorRegistry) -> bytes:
         return generate_latest(registry)
 
 
-def metrics_app(registry: CollectorRegistry,
-                version: Callable[[], object] | None = None) -> WSGIApp:
-    """A WSGI app: ``GET /metrics`` (or ``/``) answers the registry in the classic text format
-    whatever the ``Accept`` header says; any other path is a 404.
+class _Connection:
+    """One client's connection in :class:`MetricsServer`'s loop: the request head read so
+    far, then the answer left to send, and the deadline for both."""
 
-    ``version`` (e.g. ``lambda: metrics.version``): a value that changes whenever the
-    registry does; the body is then generated once per version and shared by the scrapes
-    in between (generating it is pure Python, about a millisecond: a burst of scrapers would
-    otherwise queue behind it). It is tagged with the version read *before* generating, so
-    a change made meanwhile is never hidden.
-
-    Why not prometheus_client's own app: it negotiates the format. A Prometheus 2.x server
-    (Debian's 2.42, say) asks for OpenMetrics first and names no escaping scheme, so recent
-    prometheus_client (0.26 here) picks "underscores" escaping (which, by Prometheus' escaping
-    rules, leaves ``:`` alone) and then writes ``# HELP vllm:gpu_cache_usage_perc`` but
-    ``vllm_gpu_cache_usage_perc 0.5`` on the sample line (prometheus/client_python#1177; the
-    fix proposed there escapes the HELP line too). Prometheus
-    then stores every vLLM series with ``_`` for ``:``, and ``vllm:gpu_cache_usage_perc`` finds
-    nothing. The classic text format has no escaping step, every Prometheus reads it (it is the
-    one format all versions accept), and it is what ``curl`` shows, so the names the course
-    teaches are the names a Prometheus server stores.
-    """
-    cached: list[tuple[object, bytes]] = []          # [(version, body)]: the last one
-
-    def app(environ: dict, start_response: Callable) -> list[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
-            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [b"not found: only /metrics is served\n"]
-        now = version() if version is not None else None
-        last = cached[-1] if cached else None
-        if last is not None and now is not None and last[0] == now:
-            body = last[1]
-        else:
-            body = classic_text(registry)
-            if now is not None:
-                cached[:] = [(now, body)]
-        start_response("200 OK", [("Content-Type", CLASSIC_TEXT),
-                                  ("Content-Length", str(len(body)))])
-        return [body]
-    return app
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A connection's socket, read until a deadline: each read may wait only for the time
-    left, so a client that trickles its request a byte at a time is cut off at the deadline
-    (``TimeoutError``), where a per-read timeout would wait for it forever."""
+    __slots__ = ("sock", "deadline", "head", "out", "draining", "event")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
-        super().__init__()
-        self._sock, self._deadline = sock, deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the client did not send its request in time")
-        self._sock.settimeout(left)          # the answer's sendall gets what is left, too
-        return self._sock.recv_into(buffer)
+        self.sock, self.deadline = sock, deadline
+        self.head = b""            # the request's bytes so far (up to the blank line)
+        self.out = b""             # the answer's bytes not sent yet
+        self.draining = False      # answered; reading what the client sent beyond its head
+        self.event = 0             # what it waits for in the selector (0: not registered)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No line on stderr per request (a notebook cell or a terminal stays readable), and one
-    deadline per connection: a client has ``timeout`` seconds in all to send its request (and
-    take its answer), however it trickles it, so that no client holds a thread longer."""
+class MetricsServer:
+    """``/metrics`` over HTTP on 127.0.0.1, in one thread: a ``selectors`` loop accepts
+    connections, reads each request head, and answers ``GET /metrics`` (or ``/``) with
+    ``page()`` (e.g. :meth:`Metrics.exposition`) in the classic text format, whatever the
+    ``Accept`` header says; ``HEAD`` gets the headers only, another path a 404, another
+    method a 405, a malformed request a 400 and a head over 8 KiB a 431. One request per
+    connection (``Connection: close``).
 
-    timeout = 10
+    Why one thread and no ``http.server``: the costs of a scrape are the HTTP handling (the
+    body is rendered once per change) and, beside a pure-Python step (the model-free
+    replay), the interpreter lock: every socket call releases it, and taking it back from a
+    busy thread waits up to the switch interval (5 ms). ``wsgiref`` spent about 0.8 ms of
+    Python per scrape (headers parsed by ``email``, a WSGI environ, five ``sendall``) in a
+    thread of its own, about a dozen lock releases; here a scrape whose request has arrived
+    is an ``accept``, a ``recv``, one ``send`` and a ``close`` (no selector registration),
+    and the loop serves every ready connection per wake-up. The body is rendered in the
+    loop (about a millisecond, once per change: every connection waits that long, as it
+    would for the interpreter lock). A slow client holds nothing: its socket waits in the
+    selector, and it has ``request_deadline_s`` seconds in all (however it trickles its
+    request, or reads its answer) before it is dropped unanswered. A listen backlog of 128
+    (socketserver's default is 5: a burst of scrapers beyond it waits for SYN retransmits,
+    1 s and more).
 
-    def setup(self) -> None:
-        super().setup()
-        self.rfile.close()                   # the plain socket file: replaced by a timed one
-        self.rfile = io.BufferedReader(
-            _DeadlineReader(self.connection, time.monotonic() + self.timeout))
+    Why the classic text format whatever is asked (not prometheus_client's own app, which
+    negotiates): a Prometheus 2.x server (Debian's 2.42, say) asks for OpenMetrics first and
+    names no escaping scheme, so recent prometheus_client (0.26 here) picks "underscores"
+    escaping (which, by Prometheus' escaping rules, leaves ``:`` alone) and then writes
+    ``# HELP vllm:gpu_cache_usage_perc`` but ``vllm_gpu_cache_usage_perc 0.5`` on the sample
+    line (prometheus/client_python#1177; the fix proposed there escapes the HELP line too).
+    Prometheus then stores every vLLM series with ``_`` for ``:``, and
+    ``vllm:gpu_cache_usage_perc`` finds nothing. The classic text format has no escaping
+    step, every Prometheus reads it (it is the one format all versions accept), and it is
+    what ``curl`` shows, so the names the course teaches are the names a Prometheus server
+    stores.
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+    ``serve_forever()`` runs the loop (:func:`serve_metrics` starts it in a daemon thread);
+    ``shutdown()`` stops it and waits; ``server_close()`` frees the port.
+    """
 
-
-class _MetricsServer(WSGIServer):
-    """The WSGI server with one thread per connection (what the standard library's
-    ``ThreadingMixIn`` adds, written out here: one class, no mixin): a slow client holds its
-    own thread (until its deadline, :class:`_QuietHandler`), never the scrapes of the others.
-    A listen backlog of 128 (socketserver's default is 5: a burst of scrapers beyond it waits
-    for SYN retransmits, 1 s and more). Threads are daemons, so ``server_close()`` does not
-    wait for them. A client that times out or drops its connection is not worth a
-    traceback."""
-
+    request_deadline_s = 10.0      # a client's whole time to send its request and take the answer
+    max_head_bytes = 8192
     request_queue_size = 128
 
-    def process_request(self, request: socket.socket, client_address: object) -> None:
-        """Answer the connection in a thread of its own (socketserver calls this per accept)."""
-        threading.Thread(target=self._answer, args=(request, client_address),
-                         daemon=True).start()
+    def __init__(self, port: int, page: Callable[[], bytes]) -> None:
+        self.page = page
+        self.socket = socket.create_server(("127.0.0.1", port),
+                                           backlog=self.request_queue_size)
+        self.socket.setblocking(False)
+        self.server_port: int = self.socket.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()   # shutdown() wakes the loop
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()                                # not running yet
 
-    def _answer(self, request: socket.socket, client_address: object) -> None:
+    # ------------------------------------------------------------------ the loop
+    def serve_forever(self) -> None:
+        """Serve until :meth:`shutdown` (in the calling thread)."""
+        self._stopped.clear()
+        conns: dict[int, _Connection] = {}
+        sel = selectors.DefaultSelector()
+        sel.register(self.socket, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
+            while not self._stop.is_set():
+                wait = min((c.deadline for c in conns.values()), default=None)
+                if wait is not None:
+                    wait = max(0.0, wait - time.monotonic())
+                for key, _ in sel.select(wait):
+                    if key.fileobj is self.socket:
+                        self._accept(sel, conns)
+                    elif key.fileobj is not self._wake_r:
+                        self._serve(sel, conns, conns[key.fd])
+                now = time.monotonic()
+                for conn in [c for c in conns.values() if c.deadline <= now]:
+                    self._drop(sel, conns, conn)       # too slow: dropped unanswered
         finally:
-            self.shutdown_request(request)
+            for conn in list(conns.values()):
+                self._drop(sel, conns, conn)
+            sel.close()
+            self._stopped.set()
 
-    def handle_error(self, request: object, client_address: object) -> None:
-        if not isinstance(sys.exc_info()[1], OSError):
-            super().handle_error(request, client_address)
+    def _accept(self, sel: selectors.BaseSelector, conns: dict[int, _Connection]) -> None:
+        """Accept every connection waiting in the backlog, and serve each at once: its request
+        is usually there already, and then it is answered and closed without ever entering
+        the selector (four socket calls in all)."""
+        deadline = time.monotonic() + self.request_deadline_s
+        while True:
+            try:
+                sock, _ = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:                    # e.g. out of file descriptors: try later
+                return
+            if not _DONTWAIT:
+                sock.setblocking(False)
+            conn = _Connection(sock, deadline)
+            conns[sock.fileno()] = conn
+            self._serve(sel, conns, conn)
+
+    def _serve(self, sel: selectors.BaseSelector, conns: dict[int, _Connection],
+               conn: _Connection) -> None:
+        """Read more of the request, send more of the answer, or drain, whichever is due;
+        what would block waits in the selector (never in a socket call: each is
+        ``MSG_DONTWAIT``).
+
+        Closing a socket with unread bytes resets the connection, and a reset can destroy
+        the answer before the client read it: when the client sent more than its head (a
+        body, or a head cut at ``max_head_bytes``), the answer is followed by a half-close
+        and the rest is read and dropped until the client closes (or its deadline)."""
+        try:
+            if not conn.out:
+                if conn.draining:
+                    if not conn.sock.recv(65536, _DONTWAIT):
+                        self._drop(sel, conns, conn)
+                    return
+                got = conn.sock.recv(self.max_head_bytes + 1, _DONTWAIT)
+                if not got:                    # the client left before its request ended
+                    self._drop(sel, conns, conn)
+                    return
+                conn.head += got
+                end = conn.head.find(b"\r\n\r\n")
+                if end < 0 and len(conn.head) <= self.max_head_bytes:
+                    self._wait(sel, conn, selectors.EVENT_READ)   # more to come
+                    return
+                conn.out = self._answer(conn.head, end)
+                conn.draining = end < 0 or len(conn.head) > end + 4   # more than the head
+            sent = conn.sock.send(conn.out, _DONTWAIT)
+            conn.out = conn.out[sent:]
+            if conn.out:                       # the rest when the client's window opens
+                self._wait(sel, conn, selectors.EVENT_WRITE)
+                return
+            if not conn.draining:
+                self._drop(sel, conns, conn)
+                return
+            conn.sock.shutdown(socket.SHUT_WR)
+            self._wait(sel, conn, selectors.EVENT_READ)
+        except (BlockingIOError, InterruptedError):
+            self._wait(sel, conn, selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ)
+        except OSError:                        # reset by the client: nothing to answer
+            self._drop(sel, conns, conn)
+
+    @staticmethod
+    def _wait(sel: selectors.BaseSelector, conn: _Connection, event: int) -> None:
+        """Let ``conn`` wait in the selector for ``event`` (registered on first need only)."""
+        if conn.event == event:
+            return
+        if conn.event:
+            sel.modify(conn.sock, event)
+        else:
+            sel.register(conn.sock, event)
+        conn.event = event
+
+    def _answer(self, head: bytes, end: int) -> bytes:
+        """The whole answer to a request head (``end``: where its blank line is, -1 if the
+        head was cut at ``max_head_bytes``)."""
+        if end < 0:
+            return self._response("431 Request Header Fields Too Large", b"request head too "
+                                  b"large\n")
+        parts = head[:head.find(b"\r\n")].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return self._response("400 Bad Request", b"bad request line\n")
+        method, target = parts[0], parts[1]
+        if urlsplit(target).path not in (b"/", b"/metrics"):
+            return self._response("404 Not Found", b"not found: only /metrics is served\n")
+        if method not in (b"GET", b"HEAD"):
+            return self._response("405 Method Not Allowed", b"only GET and HEAD\n",
+                                  extra="Allow: GET, HEAD\r\n")
+        return self._response("200 OK", self.page(), CLASSIC_TEXT, head_only=method == b"HEAD")
+
+    @staticmethod
+    def _response(status: str, body: bytes, ctype: str = "text/plain; charset=utf-8",
+                  extra: str = "", head_only: bool = False) -> bytes:
+        head = (f"HTTP/1.1 {status}\r\nDate: {formatdate(usegmt=True)}\r\n"
+                f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
+                f"Connection: close\r\n\r\n").encode("ascii")
+        return head if head_only else head + body
+
+    @staticmethod
+    def _drop(sel: selectors.BaseSelector, conns: dict[int, _Connection],
+              conn: _Connection) -> None:
+        conns.pop(conn.sock.fileno(), None)
+        if conn.event:
+            sel.unregister(conn.sock)
+            conn.event = 0
+        conn.sock.close()
+
+    # ------------------------------------------------------------------ control
+    def shutdown(self) -> None:
+        """Stop :meth:`serve_forever` and wait until it has returned (open connections are
+        closed unanswered)."""
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        """Free the port (after :meth:`shutdown`)."""
+        self.socket.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
-def serve_metrics(metrics: Metrics, port: int = 0) -> tuple[WSGIServer, int]:
-    """Serve ``/metrics`` (classic text format, see :func:`metrics_app`) on 127.0.0.1 (port 0:
-    any free port): a daemon thread accepts connections and each is answered in a thread of
-    its own, so concurrent scrapers do not queue behind each other or behind a slow client;
-    the body is generated again only once ``metrics`` changed (:func:`metrics_app`). Returns
-    the server (``server.shutdown()`` stops it, ``server.server_close()`` frees the port) and
-    the port. A port in use raises ``OSError``."""
-    server = make_server("127.0.0.1", port,
-                         metrics_app(metrics.registry, lambda: metrics.version),
-                         server_class=_MetricsServer, handler_class=_QuietHandler)
+def serve_metrics(metrics: Metrics, port: int = 0) -> tuple[MetricsServer, int]:
+    """Serve ``/metrics`` (classic text format, see :class:`MetricsServer`) on 127.0.0.1 (port
+    0: any free port) from a daemon thread: each scrape answers
+    :meth:`Metrics.exposition`, rendered once per change, never waiting for a step; a slow
+    client holds no other scrape. Returns the server (``server.shutdown()`` stops it,
+    ``server.server_close()`` frees the port) and the port. A port in use raises
+    ``OSError``."""
+    server = MetricsServer(port, metrics.exposition)
     threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server, server.server_port
