@@ -33,7 +33,7 @@ scheduler's path with pools of 1k to 1M blocks: both should be flat.
 lengths inside the engine's step transaction (its checkpoint of the manager, begun and
 committed every step, and the blocks at its start read as ``LLMEngine._protect`` reads
 them), the pool the same at every length: flat when the checkpoint saves what a step
-touches, not the sequences' whole lists.
+touches, not the sequences' whole lists, the pools or the prefix cache.
 
 **Baseline.** ``--baseline REV`` extracts ``course_lib`` of git revision REV, records REV's own
 scheduler on the same trace, checks that both versions leave the same block tables, free

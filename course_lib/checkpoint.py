@@ -23,7 +23,13 @@ class means remembering every new field in two more methods; here there is one m
 * **A log of undos**, for a structure too large to copy each step: the waiting queue, which
   holds every request not yet admitted (``watch(queue)`` calls its ``begin_log()``, the queue
   records the moves the step makes, rollback calls ``undo(log)``), or the V1 scheduler's map
-  of every request (``on_rollback(undo)`` for each entry a step takes out).
+  of every request (``on_rollback(undo)`` for each entry a step takes out). Two logs are
+  kept here for any class: ``save_items(container, keys)`` keeps the items a step is about
+  to change of a large list, bytearray or dict (the first save of an item wins; a missing
+  key is saved as absent), and ``save_stack(stack, cut_to)`` keeps a stack (a list changed
+  only at its end) by the least length it had in the step and the items cut from below it:
+  V0's pools and prefix cache (``memory/v0/``) use them for their ref counts, states, free
+  stacks and hash maps, so that a step costs what it changed, not the size of the pool.
 
 What to touch is decided by who knows it: ``course_lib/engine/rollback.py`` lists, once per
 design (V0, V1, radix), the objects a step may change when it begins; the scheduler touches a
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 #: container types copied (and put back in place); exact types only, so that a subclass
@@ -240,6 +246,10 @@ class Checkpoint:
         self._fields: dict[int, tuple[object, tuple | dict]] = {}   # id -> (obj, first save)
         self._order: list[object] = []           # touched objects, in the order first touched
         self._undo: list[Callable[[], None]] = []
+        # save_items: id(container) -> (container, {key: its first saved value})
+        self._items: dict[int, tuple[Any, dict]] = {}
+        # save_stack: id(stack) -> [stack, least length in the step, items cut below it]
+        self._stacks: dict[int, list] = {}
         self.closed = self.rolled_back = False
 
     def touch(self, *objs: object) -> None:
@@ -258,6 +268,52 @@ class Checkpoint:
         every request."""
         self._open()
         self._undo.append(undo)
+
+    def save_items(self, container: Any, keys: Iterable[Hashable]) -> None:
+        """Before ``container[key]`` changes for each of ``keys`` (a list's or a bytearray's
+        indexes, a dict's keys): keep what it holds now (a dict's missing key: its absence; a
+        container in it: a copy), unless this checkpoint kept that item already; the rollback
+        puts each item back. For a container too large to copy each step of which a step
+        changes a few items: O(keys), whatever its size."""
+        self._open()
+        entry = self._items.get(id(container))
+        if entry is None:
+            entry = self._items[id(container)] = (container, {})
+        saved = entry[1]
+        if type(container) is dict:
+            for key in keys:
+                if key not in saved:
+                    saved[key] = _save(container.get(key, _UNSET))
+        else:
+            for key in keys:
+                if key not in saved:
+                    saved[key] = container[key]
+
+    def item_at_start(self, container: Any, key: Hashable) -> Any:
+        """``container[key]`` as it was when this checkpoint first kept it
+        (:meth:`save_items`), else as it is now (``KeyError``: a dict's key absent then)."""
+        entry = self._items.get(id(container))
+        if entry is None or key not in entry[1]:
+            return container[key]
+        value = entry[1][key]
+        if value is _UNSET:
+            raise KeyError(key)
+        return _copy(value)
+
+    def save_stack(self, stack: list, cut_to: int | None = None) -> None:
+        """Save a stack, a list a step changes only at its end (pops, pushes), in O(what it
+        pops). The first call, before any change, records its length; call it again before
+        each cut of the stack to its first ``cut_to`` items (a pop: ``len(stack) - 1``): the
+        items the cut takes from below the least length the stack had are kept (above that
+        length it holds only what the step pushed). The rollback cuts it back to that least
+        length and pushes the kept items back. A push needs no call."""
+        self._open()
+        entry = self._stacks.get(id(stack))
+        if entry is None:
+            entry = self._stacks[id(stack)] = [stack, len(stack), []]
+        if cut_to is not None and cut_to < entry[1]:
+            entry[2].extend(reversed(stack[cut_to:entry[1]]))
+            entry[1] = cut_to
 
     def watch(self, queue: Any) -> None:
         """Log the moves of ``queue`` from now on: ``queue.begin_log()`` now, then
@@ -301,15 +357,16 @@ class Checkpoint:
         if self.closed:
             raise RuntimeError("this checkpoint was already committed or rolled back")
         self.closed = True
-        self._fields, self._order, self._undo = {}, [], []
+        self._fields, self._order, self._undo, self._items, self._stacks = {}, [], [], {}, {}
 
     def rollback(self) -> None:
         """Put every touched object and watched structure back as it was, then close. The
-        undo logs run first, last entry first; then each object gets its first saved fields
-        back, the last touched first, so that a container two objects share ends as the
-        earlier save found it. Resumable: each entry is dropped only once it is done, so if
-        one raises, calling ``rollback()`` again goes on from there; once done, calling it
-        again does nothing (a committed checkpoint still refuses)."""
+        undo logs run first, last entry first; then the saved items and stacks are put back
+        (each to its first save: their order does not matter); then each object gets its
+        first saved fields back, the last touched first, so that a container two objects
+        share ends as the earlier save found it. Resumable: each entry is dropped only once
+        it is done, so if one raises, calling ``rollback()`` again goes on from there; once
+        done, calling it again does nothing (a committed checkpoint still refuses)."""
         if self.rolled_back:
             return
         if self.closed:
@@ -318,6 +375,17 @@ class Checkpoint:
         while undo:
             undo[-1]()
             undo.pop()
+        while self._items:
+            container, saved = next(iter(self._items.values()))
+            for key, value in saved.items():
+                if value is _UNSET:
+                    container.pop(key, None)
+                else:
+                    container[key] = _put_back(value)
+            del self._items[id(container)]
+        for stack, least, cut in self._stacks.values():
+            stack[least:] = cut[::-1]
+        self._stacks = {}
         while order:
             load_fields(order[-1], fields[id(order[-1])][1])
             order.pop()

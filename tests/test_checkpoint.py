@@ -147,6 +147,53 @@ def test_undo_logs_run_last_first_and_a_checkpoint_closes_once():
             again()
 
 
+def stack_and_items_step(c: Checkpoint | None) -> tuple:
+    """Changes to a list, a bytearray, a dict (a list in it changed in place, a key added, one
+    deleted) and a stack (popped, pushed, cut below where it was), each saved with ``c``
+    first (none: nothing saved); returns the containers, and the dict's list."""
+    refs, state, maps, stack = [0, 1, 2], bytearray(b"abc"), {"a": [1], "b": 2}, [5, 4, 3]
+    save_items = c.save_items if c else (lambda container, keys: None)
+    save_stack = c.save_stack if c else (lambda stack, cut_to=None: None)
+    save_stack(stack)
+    for value in (10, 11):                              # twice: the first save wins
+        save_items(refs, [1])
+        refs[1] = value
+    save_items(state, [0])
+    state[0] = ord("z")
+    save_items(maps, ["a", "c"])
+    maps["a"].append(2)
+    maps["c"] = 3
+    save_items(maps, ["b"])
+    del maps["b"]
+    save_stack(stack, 2)
+    stack.pop()
+    stack.append(9)
+    save_stack(stack, 1)
+    del stack[1:]
+    stack += [7, 8]
+    return refs, state, maps, stack, maps["a"]
+
+
+def test_saved_items_and_stacks_come_back_as_first_saved():
+    """``save_items`` keeps each item's first value (a dict's absent key as absent, a list in
+    it copied and refilled in place); ``save_stack`` keeps a stack by its least length and
+    what was cut below it. Proven: without the saves, the rollback leaves the changes."""
+    c = Checkpoint()
+    refs, state, maps, stack, listed = stack_and_items_step(c)
+    assert c.item_at_start(refs, 1) == 1 and c.item_at_start(refs, 2) == 2
+    assert c.item_at_start(maps, "a") == [1] and c.item_at_start(state, 0) == ord("a")
+    with pytest.raises(KeyError):
+        c.item_at_start(maps, "c")                      # absent when first saved
+    c.rollback()
+    assert (refs, state, maps, stack) == ([0, 1, 2], bytearray(b"abc"), {"a": [1], "b": 2},
+                                          [5, 4, 3])
+    assert maps["a"] is listed                          # the same list, refilled
+    c = Checkpoint()
+    refs, state, maps, stack, _ = stack_and_items_step(None)
+    c.rollback()
+    assert refs[1] == 11 and stack == [5, 7, 8] and "c" in maps
+
+
 def test_a_rollback_that_fails_half_way_resumes_where_it_stopped():
     objs = [Plain() for _ in range(3)]
     c = Checkpoint()
@@ -473,23 +520,35 @@ def play_v0(m, ops, live: list[int], next_id: list[int]) -> int:
 
 
 def v0_state(m) -> tuple:
-    """The manager's public state, and which objects its tables and their lists are (a
-    rollback puts back the very lists handed out to the step's readers)."""
+    """The manager's public state, which objects its tables and their lists are (a
+    rollback puts back the very lists handed out to the step's readers), and the prefix
+    cache's four maps as they are (the order of a hash's collided blocks, the generations of
+    blocks no longer cached: what the public state does not show)."""
     from memory_helpers import snapshot
 
     ids = {s: (id(t), id(t.blocks), id(t.token_ids), id(t.block_hashes))
            for s, t in ((s, m.get_table(s)) for s in m.seq_ids())}
-    return snapshot(m), ids
+    maps = None if m.cache is None else (
+        dict(m.cache._block_of), {h: list(bs) for h, bs in m.cache._collided.items()},
+        dict(m.cache._key_of), dict(m.cache._generation))
+    return snapshot(m), ids, maps
 
 
-def v0_rolls_back(first, second, caching: bool) -> tuple[bool, int]:
+def weak_hash(parent, tokens, extra) -> int:
+    """A block hash with three values: most blocks collide."""
+    return hash((parent, tokens, extra)) % 3
+
+
+def v0_rolls_back(first, second, caching: bool, colliding: bool = False) -> tuple[bool, int]:
     """(whether the rollback gave the manager back exactly, the copy-on-writes of
-    ``second``)."""
+    ``second``); ``colliding``: the prefix cache hashes with :func:`weak_hash`."""
     from memory_helpers import checkpoint
 
     from course_lib.memory.v0.fast import FastBlockManager
 
     m, live, next_id = FastBlockManager(2, 16, 8, 0.0, caching), [], [0]
+    if colliding and caching:
+        m.cache.hash_fn = weak_hash
     play_v0(m, first, live, next_id)
     before = v0_state(m)
     c = checkpoint(m)
@@ -509,6 +568,87 @@ def test_v0_tables_saved_by_length_roll_back_exactly(first, second, caching):
     calls (appends, copy-on-write of a shared last block, forks, frees, swaps), a rollback
     gives the manager back exactly, each table's own lists in place."""
     assert v0_rolls_back(first, second, caching)[0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(first=V0_OPS, second=V0_OPS)
+def test_v0_prefix_cache_logs_roll_back_exactly_when_hashes_collide(first, second):
+    """The prefix cache's maps, logged entry by entry (``PrefixCache._save``), roll back
+    exactly when most blocks collide: registered beside a first block of their hash, evicted
+    from the middle of a hash's list, promoted when the first one goes."""
+    assert v0_rolls_back(first, second, True, colliding=True)[0]
+
+
+@pytest.mark.parametrize("structure", [list, bytearray, dict, "stack"],
+                         ids=["ref counts", "states", "prefix cache maps", "free stack"])
+def test_v0_step_logs_that_miss_a_change_are_caught(monkeypatch, structure):
+    """The detector for V0's logs: with the saving of one structure switched off (the pools'
+    ref counts (a list), their states (a bytearray), the prefix cache's maps (dicts), or the
+    cuts of the free stacks), the rollback test above finds the manager changed after a step
+    that only admits a prompt (its blocks come off the free stack, are held, and enter the
+    prefix cache)."""
+    second = [("admit", 1, 9)]
+    assert v0_rolls_back([], second, True) == (True, 0)
+    if structure == "stack":                            # the length kept, no cut saved
+        real_stack = Checkpoint.save_stack
+        monkeypatch.setattr(Checkpoint, "save_stack",
+                            lambda self, stack, cut_to=None: real_stack(self, stack))
+    else:
+        real_items = Checkpoint.save_items
+        monkeypatch.setattr(Checkpoint, "save_items", lambda self, container, keys: None
+                            if type(container) is structure else real_items(self, container, keys))
+    assert v0_rolls_back([], second, True) == (False, 0)
+
+
+V0_LOGGED = {"gpu": ("ref_counts", "_free", "_state"),
+             "cache": ("_block_of", "_key_of", "_generation", "_collided")}
+
+
+def v0_step_copies(owner: str) -> tuple[list[str], int]:
+    """After a step that decodes a block's worth of tokens of a sequence holding 500 cached
+    blocks (one new block, registered once full): which of ``owner``'s logged structures the
+    checkpoint copied, and how many items of them it saved one by one."""
+    from memory_helpers import checkpoint
+
+    from course_lib.memory.v0.fast import FastBlockManager
+
+    m = FastBlockManager(4, 1024, 0, 0.0, True)
+    m.allocate(0, list(range(2000)))                    # 500 full blocks
+    m.mark_blocks_as_computed(0, 2000)
+    c = checkpoint(m)
+    for token in range(4):                              # a new block, filled
+        m.append_decode([0], [token])
+    m.mark_blocks_as_computed(0, 2004)                  # and registered
+    assert m.cache.is_cached(m.get_table(0).blocks[-1])
+    obj = getattr(m, owner)
+    copied = []
+    for name in V0_LOGGED[owner]:
+        try:
+            c.saved(obj, name)
+            copied.append(name)
+        except KeyError:                                # not saved: logged instead
+            pass
+    logged = [c._items[id(getattr(obj, n))][1] for n in V0_LOGGED[owner]
+              if id(getattr(obj, n)) in c._items]          # Checkpoint.save_items' log
+    return copied, sum(map(len, logged))
+
+
+@pytest.mark.parametrize("owner", ["gpu", "cache"])
+def test_a_v0_step_logs_its_pools_and_prefix_cache_without_copying_them(monkeypatch, owner):
+    """What a V0 step saves of its pools and prefix cache grows with what it changes, not
+    with them: the checkpoint holds no copy of the ref counts, states and free stack, or of
+    the cache's maps, only the items the step changed: the one block it took (its ref
+    count and state), its registration (an entry of each map). Proven: with
+    the class's ``__rollback_skip__`` reduced to the checkpoint (the copy the logs replaced),
+    the checkpoint copies them whole, and this test says so."""
+    assert v0_step_copies(owner) == ([], 2 if owner == "gpu" else 4)
+    from course_lib.memory.v0.fast import FastPrefixCache
+    from course_lib.memory.v0.pool import BlockAllocator
+
+    cls = BlockAllocator if owner == "gpu" else FastPrefixCache
+    monkeypatch.setattr(cls, "__rollback_skip__", ("checkpoint", "_prompts", "_chains"))
+    monkeypatch.setattr(ck, "_LAYOUTS", {})                  # the layouts worked out again
+    assert v0_step_copies(owner)[0] == list(V0_LOGGED[owner])
 
 
 # a forked sequence with a shared partial last block (3 tokens, block 2) decodes: copy-on-write

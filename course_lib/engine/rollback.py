@@ -9,8 +9,10 @@ top of ``LLMEngine.step`` and committed at its end or rolled back, owns all of i
   every object the step may change, saved when it first touches them and put back on failure,
   whatever fields the classes have (no ``snapshot()`` / ``restore()`` pair per class). What
   a step may change is listed here, once per design (:func:`manager_parts`; V1's block pool
-  and the radix tree save each block or node themselves just before they first change it, so
-  a step pays for what it touches, not for the pool or the tree); the scheduler
+  and the radix tree save each block or node themselves just before they first change it,
+  and V0's pools and prefix cache log each ref count, state, cut of the free stack and map
+  entry before they change it (:func:`begin_manager` attaches them), so a step pays for what
+  it touches, not for the pool, the tree or the cache); the scheduler
   adds the requests it touches (``Scheduler.begin``), and the waiting queue logs its moves
   instead of being copied. The cost: the running requests and the manager's own state, never
   the waiting queue. A KV connector (V1's ``kv_connector``) is listed the same way
@@ -93,7 +95,12 @@ def begin_manager(checkpoint: Checkpoint, manager: object) -> None:
     and hand the checkpoint to the parts that save what they change themselves."""
     objects, _ = manager_parts(manager)
     checkpoint.touch(*objects)
-    if isinstance(manager, KVCacheManager):
+    if isinstance(manager, BlockManager):        # V0: the pools' and the cache's logs
+        manager.gpu.attach(checkpoint)
+        manager.cpu.attach(checkpoint)
+        if manager.cache is not None:
+            manager.cache.attach(checkpoint)
+    elif isinstance(manager, KVCacheManager):
         manager.block_pool.attach(checkpoint)
     elif isinstance(manager, RadixKVCacheManager):
         manager.tree.checkpoint = checkpoint
@@ -120,14 +127,17 @@ def blocks_before(checkpoint: Checkpoint, manager: object) -> BlocksBefore:
     """The block tables and block states at the start of the step, from what ``checkpoint``
     saved (one entry per design, as :func:`manager_parts`). V0's are read in place
     (``Checkpoint.saved_view``): a table's block ids, saved by length, are a view of its own
-    list, so that this costs O(sequences), not O(their blocks), each step."""
+    list, and a block's state at the start is the one the pool saved before changing it
+    (``Checkpoint.item_at_start``), so that this costs O(sequences), not O(their
+    blocks) or O(pool), each step."""
     if isinstance(manager, BlockManager):
         view = checkpoint.saved_view
         tables = {s: (view(t, "device"), view(t, "blocks"))
                   for s, t in view(manager, "_tables").items()}
-        gpu = view(manager.gpu, "_state")
-        cpu = view(manager.cpu, "_state")
-        return BlocksBefore(tables, lambda b: gpu[b] != FREE, lambda b: cpu[b] != FREE)
+        gpu, cpu = manager.gpu._state, manager.cpu._state    # their changed items saved
+        at_start = checkpoint.item_at_start
+        return BlocksBefore(tables, lambda b: at_start(gpu, b) != FREE,
+                            lambda b: at_start(cpu, b) != FREE)
     if isinstance(manager, KVCacheManager):
         tables = {s: ("gpu", [b.block_id for b in blocks])
                   for s, blocks in checkpoint.saved(manager, "req_to_blocks").items()}

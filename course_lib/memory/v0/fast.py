@@ -47,11 +47,12 @@ Grown = tuple[list[tuple[int, int]], list[list[int]]]     # (CoW copies, each ta
 class FastPrefixCache(PrefixCache):
     """``PrefixCache`` with memoized prompt hashing and matching (module docstring)."""
 
-    #: not put back by a failed step's checkpoint: memos that stay right whatever the maps
-    #: hold (a prompt's hashes are a function of its tokens; a remembered chain is checked
-    #: against the live keys, by identity, before use). ``_last_match`` is keyed by
-    #: ``version``, so both go back together.
-    __rollback_skip__ = ("_prompts", "_chains")
+    #: not put back by a failed step's checkpoint: the plain cache's (the maps, whose changes
+    #: are logged), and memos that stay right whatever the maps hold (a prompt's hashes are a
+    #: function of its tokens; a remembered chain is checked against the live keys, by
+    #: identity, before use). ``_last_match`` is keyed by ``version``, so both go back
+    #: together.
+    __rollback_skip__ = PrefixCache.__rollback_skip__ + ("_prompts", "_chains")
 
     def __init__(self, hash_algo: str = "builtin") -> None:
         super().__init__(hash_algo)
@@ -102,6 +103,8 @@ class FastPrefixCache(PrefixCache):
             if block in key_of:
                 block = block if self.insert(block, key) else self.lookup(key)
             elif first is None:                          # a new hash: register it (insert())
+                if self.checkpoint is not None:          # in a step: saved first
+                    self._save(block, block_hash)
                 block_of[block_hash], key_of[block] = block, key
                 generation[block] = generation.get(block, 0) + 1
                 self.version += 1
