@@ -139,7 +139,9 @@ def available_kv_bytes(total_gpu_memory_bytes: int, gpu_memory_utilization: floa
     the biggest term, because a negative budget means the model does not fit at all.
     """
     check_nonneg("total_gpu_memory_bytes", total_gpu_memory_bytes)
-    if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
+    if isinstance(gpu_memory_utilization, bool) \
+            or not isinstance(gpu_memory_utilization, (int, float)) \
+            or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     terms = {"weight_bytes": weight_bytes, "activation_bytes": activation_bytes,
              "overhead_bytes": overhead_bytes}

@@ -11,10 +11,25 @@ metrics, the simulator and the command line all read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .sizing.blocks import check_block_size, num_cpu_blocks
+from .sizing.units import check_int
 
 PREEMPTION_MODES = ("recompute", "swap")
+C = TypeVar("C")
+
+
+def config_or_default(value: C | None, cls: type[C], name: str) -> C:
+    """``value``, or ``cls()`` for None; ``ValueError`` naming ``name`` for anything else.
+    A dict of knobs is the usual slip: ``{}`` is falsy and would silently mean the defaults,
+    any other dict an ``AttributeError`` deep inside."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise ValueError(f"{name} must be None or a {cls.__name__} (e.g. "
+                         f"{cls.__name__}(**knobs)), got {type(value).__name__} {value!r:.60}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.enable_chunked_prefill, bool):   # "no" or None is no switch
+            raise ValueError(f"enable_chunked_prefill must be True or False, got "
+                             f"{self.enable_chunked_prefill!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
@@ -77,13 +95,25 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)       # a power of two in [1, 256], as everywhere
+        # Checked here, where the learner wrote them, not later in whichever block manager
+        # reads them: a pool needs a block (vLLM refuses num_gpu_blocks <= 0: "No available
+        # memory for the cache blocks"); a string is no switch ("no" is truthy).
+        check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
+        check_int("num_cpu_blocks", self.num_cpu_blocks, 0)
+        wm = self.watermark
+        if isinstance(wm, bool) or not isinstance(wm, int | float) or not 0 <= wm < 1:
+            raise ValueError(f"watermark must be a fraction of the GPU blocks in [0, 1), "
+                             f"got {wm!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got "
+                             f"{self.enable_prefix_caching!r}")
         if self.prefix_cache not in ("hash", "radix"):
             raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {self.prefix_cache!r}")
         size = self.kv_offloading_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int | float)
-                                 or not size > 0):
+                                 or not 0 < size < float("inf")):
             raise ValueError(f"kv_offloading_size is GiB of CPU memory for the KV offload tier, "
-                             f"> 0 (or None: no tier), got {size!r}")
+                             f"finite and > 0 (or None: no tier), got {size!r}")
 
     @staticmethod
     def from_swap_space(swap_space_gib: float, block_bytes: int, **kwargs) -> CacheConfig:

@@ -259,7 +259,7 @@ def test_num_cpu_blocks():
     assert num_cpu_blocks(4, bb) == 4 * 1024 // 2 == 2048
     assert num_cpu_blocks(0, bb) == 0
     assert num_cpu_blocks(4, 655_360) == 4 * GiB // 655_360 == 6553
-    with pytest.raises(ValueError, match="swap_space must be a number >= 0, got -1"):
+    with pytest.raises(ValueError, match="swap_space must be a finite number >= 0, got -1"):
         num_cpu_blocks(-1, bb)
 
 
@@ -394,3 +394,26 @@ def test_paged_holds_at_most_one_block_more(name, bs, n):
     paged, exact = cap.paged_kv_bytes(spec, n, bs), cap.contiguous_kv_bytes(spec, n)
     assert exact <= paged < exact + cap.block_bytes(spec, bs)
     assert math.ceil(n / bs) * bs * cap.kv_bytes_per_token(spec) == paged
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: num_cpu_blocks(math.inf, 1024), r"swap_space must be a finite number >= 0, got inf"),
+    (lambda: cap.plan_kv_cache(get_preset("llama-2-7b"), math.inf),
+     r"total_gpu_memory_gib must be a finite number >= 0, got inf"),
+    (lambda: cap.available_kv_bytes(80 * GiB, "0.9", 0),
+     r"gpu_memory_utilization must be in \(0, 1\], got 0.9"),
+    (lambda: get_preset(None), r"the preset name must be a str, one of Llama-2-7B"),
+    (lambda: get_preset(7), r"the preset name must be a str"),
+    (lambda: ModelSpec("x", 2, 2, 2, 8, 100, param_bytes=True), r"param_bytes .* got True"),
+    (lambda: ModelSpec("x", 2, 2, 2, 8, 100, param_bytes=math.inf), r"param_bytes .* got inf"),
+    (lambda: ModelSpec("x", 2, 2, 2, 8, 100, param_bytes="2"), r"param_bytes .* got '2'"),
+    (lambda: static_utilization(["8"], 10), r"used_tokens must be integers >= 0; item 0 is '8'"),
+    (lambda: static_utilization([8.7], 10), r"item 0 is 8.7"),
+    (lambda: paged_utilization([math.inf]), r"item 0 is inf"),
+    (lambda: paged_utilization([None]), r"item 0 is None"),
+    (lambda: paged_utilization(5), r"used_tokens must be a list of token counts, got int")])
+def test_sizing_refuses_nonsense_with_a_value_error_naming_it(call, match):
+    """Each was a ``TypeError``/``AttributeError``/``OverflowError`` deep inside, or (a
+    string, a float of tokens, an infinite budget) silently read as a number."""
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -4,6 +4,8 @@ attempted."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from course_lib.exercises import ch03, ch05, ch06
@@ -185,3 +187,27 @@ def test_prefix_pool_checker_replays_the_history():
     assert not v.ok and "after run(0, " in v.first_problem
     assert "NoFreeBlocksError" in v.first_problem
     assert not ch06.check_prefix_pool(not_done).attempted
+
+
+class _TakesNoArguments:
+    pass
+
+
+def _raises_in_init(*args):
+    raise TypeError("boom")
+
+
+@pytest.mark.parametrize("checker", [ch03.check_allocator, check_manager,
+                                     ch06.check_prefix_pool])
+@pytest.mark.parametrize("answer, match", [
+    (5, r"pass the class itself \(its name, not called\), got int 5"),
+    (None, r"pass the class itself .* got NoneType None"),
+    (_TakesNoArguments, r"building it with \(.*\) raises TypeError: _TakesNoArguments\(\) "
+                        r"takes no arguments"),
+    (_raises_in_init, r"building it with \(.*\) raises TypeError: boom")])
+def test_a_class_checker_turns_a_wrong_answer_into_a_verdict(checker, answer, match):
+    """A learner's class whose constructor raises, or a non-class, was a traceback from deep
+    inside ``replay_ops``; it is a failed verdict naming the problem."""
+    v = checker(answer)
+    assert v.attempted and v.passed == 0 and not v.ok
+    assert re.search(match, v.first_problem), v.first_problem

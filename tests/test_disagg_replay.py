@@ -203,3 +203,20 @@ def test_the_chapter_draws_the_study_and_a_request_path_readably():
         draw_request_path([])
     with pytest.raises(ValueError, match="no results"):
         draw_deployments({}, STUDY_SLO)
+
+
+@pytest.mark.parametrize("run", [
+    lambda trace, **kw: replay_colocated(trace, 1, **kw),
+    lambda trace, **kw: replay_disaggregated(trace, 1, 1, **kw)])
+def test_the_deployments_refuse_a_bad_trace_or_cost_model_before_running(run):
+    """A repeated request id was queued twice (the replays key their tokens by id); a dict
+    for the cost model was falsy and ran the defaults."""
+    t = TraceRequest(0, 0.0, (1, 2, 3), 4)
+    with pytest.raises(ValueError, match="trace item 1: request_id 0 is already used"):
+        run([t, t])
+    with pytest.raises(ValueError, match="cost_model must be None or a CostModel, got dict"):
+        run([t], cost_model={})
+    with pytest.raises(ValueError, match="max_events must be an int >= 1, got 0"):
+        run([t], max_events=0)
+    with pytest.raises(ValueError, match="cache_config must be None or a CacheConfig"):
+        run([t], cache_config={})

@@ -362,3 +362,42 @@ def test_logprobs_give_each_steps_top_k_and_beam_search_runs_outside_the_core(mo
     assert_all_blocks_back(eng)
     with pytest.raises(ValueError, match="logprobs with beam_width"):
         make_engine(model).add_request("x", SamplingParams(beam_width=2, logprobs=2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(stop_token_ids=[999]), r"stop_token_ids must be ints in 0\.\.258; item 0 is 999"),
+    (dict(stop_token_ids=["a"]), r"stop_token_ids must be ints in 0\.\.258; item 0 is 'a'"),
+    (dict(stop_token_ids=None), r"stop_token_ids must be a sequence of ints"),
+    (dict(clock=None), r"clock must be a callable"),
+    (dict(scheduler_config={"max_num_seqs": 4}),
+     r"scheduler_config must be None or a SchedulerConfig, got dict"),
+    (dict(cache_config={"block_size": 4}), r"cache_config must be None or a CacheConfig"),
+    (dict(cache_config=CacheConfig(num_gpu_blocks=10**12)),
+     r"num_gpu_blocks=1000000000000 needs .* of KV cache \(.* per block\), more than"),
+    (dict(cache_config=CacheConfig(num_gpu_blocks=8, num_cpu_blocks=10**12)),
+     r"num_cpu_blocks=1000000000000 needs .* more than .* host memory left"),
+    (dict(design="v1", cache_config=CacheConfig(num_gpu_blocks=8, enable_prefix_caching=True,
+                                                kv_offloading_size=1e9)),
+     r"kv_offloading_size=1000000000.0 needs .* more than .* host memory left")])
+def test_constructor_arguments_name_themselves(model, kwargs, match) -> None:
+    """Each failed deep inside (an ``AttributeError``, a stop token that can never be drawn
+    accepted, or a billion-block free list built until the process was killed for memory)."""
+    with pytest.raises(ValueError, match=match):
+        LLMEngine(model, **kwargs)
+    with pytest.raises(ValueError, match="model must be None or a TinyLlama, got str"):
+        LLMEngine("tiny-llama")
+
+
+@pytest.mark.parametrize("design", ["v0", "v1"])
+def test_a_stop_token_past_the_vocabulary_fails_its_request_and_queues_nothing(model,
+                                                                               design) -> None:
+    """As vLLM 0.33.0 (``_validate_stop_token_ids`` in ``vllm/sampling_params.py``); in
+    ``generate`` it fails before the first prompt is queued."""
+    engine = make_engine(model, design=design)
+    bad = SamplingParams(max_tokens=2, stop_token_ids=[10**6])
+    with pytest.raises(ValueError, match=r"stop_token_ids must be ints in 0\.\.258"):
+        engine.add_request("x", bad)
+    with pytest.raises(ValueError, match=r"params 1: stop_token_ids must be ints"):
+        engine.generate(["a", "b"], [GREEDY, bad])
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()

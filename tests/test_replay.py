@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.sim.fake_sampler import expected_tokens
-from course_lib.sim.replay import CostModel, replay
+from course_lib.sim.replay import CostModel, preemption_costs, replay
 from course_lib.sim.traces import TraceRequest, few_shot, sharegpt_like, with_parallel_sampling
 
 pytestmark = pytest.mark.ch07
@@ -21,6 +22,42 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_cost_model_rejects_negative_costs():
     with pytest.raises(ValueError, match="s_per_token"):
         CostModel(s_per_token=-1.0)
+
+
+@pytest.mark.parametrize("bad", [None, "1e-4", True, math.inf])
+def test_cost_model_rejects_what_is_not_a_finite_cost(bad):
+    """None and "1e-4" were a TypeError from ``>=``; True and inf were accepted."""
+    with pytest.raises(ValueError, match=rf"step_base_s must be a finite number >= 0, got "
+                                         rf"{re.escape(repr(bad))}"):
+        CostModel(step_base_s=bad)
+
+
+@pytest.mark.parametrize("lengths, block_sizes, match", [
+    ([-1], [16], r"lengths' items must be an integer >= 0, got -1"),
+    ([math.nan], [16], r"lengths' items must be an integer >= 0, got nan"),
+    ([100], [0], r"block_size must be a power of two in \[1, 256\], got 0"),
+    ([100], [12], r"block_size must be a power of two .* got 12")])
+def test_preemption_costs_refuse_bad_lengths_and_block_sizes(lengths, block_sizes, match):
+    """They gave negative or NaN seconds, or a ZeroDivisionError."""
+    with pytest.raises(ValueError, match=match):
+        preemption_costs(CostModel(), lengths, block_sizes)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(trace=None), r"trace must be a list of TraceRequest, got NoneType"),
+    (dict(trace=[1, 2]), r"trace must be a list of TraceRequest; item 0 is int 1"),
+    (dict(trace=[TraceRequest(0, 0.0, (1, 2), 3), TraceRequest(0, 0.5, (3,), 3)]),
+     r"trace item 1: request_id 0 is already used"),
+    (dict(cost_model={}), r"cost_model must be None or a CostModel, got dict"),
+    (dict(scheduler_config={}), r"scheduler_config must be None or a SchedulerConfig"),
+    (dict(max_steps="many"), r"max_steps must be an integer >= 1, got 'many'")])
+@pytest.mark.parametrize("design", ["v0", "v1"])
+def test_replay_refuses_bad_arguments_before_running(kwargs, match, design):
+    """Two requests with one id were both queued; ``{}`` was falsy and ran the defaults;
+    the others failed deep inside with a ``TypeError`` or an ``AttributeError``."""
+    kwargs = {"trace": [TraceRequest(0, 0.0, (1, 2), 3)], **kwargs}
+    with pytest.raises(ValueError, match=match):
+        replay(kwargs.pop("trace"), design=design, **kwargs)
 
 
 def test_swap_gets_cheaper_per_token_with_bigger_blocks_recompute_does_not():

@@ -3,6 +3,7 @@ victim policy, recompute and swap preemption, copy-on-write, parallel sampling, 
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -498,3 +499,37 @@ def test_the_waiting_queue_undoes_a_steps_moves_without_a_copy(start, moves):
     q.push_front(7)
     q.pop_front()
     assert q.log is None and list(q) == start
+
+
+@pytest.mark.parametrize("field, bad", [
+    ("num_gpu_blocks", 0), ("num_gpu_blocks", -1), ("num_gpu_blocks", "16"),
+    ("num_gpu_blocks", 16.0), ("num_gpu_blocks", True), ("num_gpu_blocks", None),
+    ("num_cpu_blocks", -1), ("num_cpu_blocks", 4.0), ("num_cpu_blocks", None),
+    ("watermark", 1.0), ("watermark", -0.1), ("watermark", math.nan), ("watermark", "0.01"),
+    ("watermark", True),
+    ("enable_prefix_caching", "no"), ("enable_prefix_caching", None),
+    ("enable_prefix_caching", 1),
+    ("kv_offloading_size", math.inf)])
+def test_cache_config_refuses_a_bad_field_where_it_is_written(field, bad):
+    """Each was accepted by ``CacheConfig`` and failed later (in whichever block manager read
+    it), or never: ``enable_prefix_caching="no"`` is truthy and turned caching on."""
+    with pytest.raises(ValueError, match=rf"^{field} (must|is)"):
+        CacheConfig(**{field: bad})
+
+
+@pytest.mark.parametrize("bad", [None, "no", 0, 1.0])
+def test_scheduler_config_refuses_a_switch_that_is_not_a_bool(bad):
+    with pytest.raises(ValueError, match=rf"enable_chunked_prefill must be True or False, "
+                                         rf"got {re.escape(repr(bad))}"):
+        SchedulerConfig(enable_chunked_prefill=bad)
+
+
+@pytest.mark.parametrize("cls", ["Scheduler", "SchedulerV1"])
+def test_a_dict_for_a_config_is_refused_not_read_as_the_defaults(cls):
+    """``{}`` is falsy: ``config or SchedulerConfig()`` silently ran the defaults."""
+    from course_lib.scheduler.v1 import SchedulerV1
+    make = {"Scheduler": Scheduler, "SchedulerV1": SchedulerV1}[cls]
+    with pytest.raises(ValueError, match="scheduler_config must be None or a SchedulerConfig"):
+        make({})
+    with pytest.raises(ValueError, match="cache_config must be None or a CacheConfig"):
+        make(None, {"num_gpu_blocks": 8})

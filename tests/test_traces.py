@@ -145,3 +145,47 @@ def test_summary():
     s = tr.trace_summary(tr.sharegpt_like(50, seed=0, rate=1.0))
     assert s["requests"] == 50 and s["max_total"] <= 2048 and s["duration_s"] > 0
     assert tr.trace_summary([]) == {"requests": 0}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(arrival_time=math.nan), r"request 0: arrival_time must be a finite number of seconds "
+                                  r">= 0 .*got nan"),
+    (dict(arrival_time=math.inf), r"arrival_time .* got inf"),
+    (dict(arrival_time=-1.0), r"arrival_time .* got -1.0"),
+    (dict(arrival_time="0"), r"arrival_time .* got '0'"),
+    (dict(arrival_time=True), r"arrival_time .* got True"),
+    (dict(request_id=-1), r"request_id must be an int >= 0, got -1"),
+    (dict(request_id="0"), r"request_id must be an int >= 0, got '0'"),
+    (dict(prompt_token_ids=[1, 2]), r"prompt_token_ids must be a tuple of token ids, got list"),
+    (dict(output_len=0), r"output_len must be an int >= 1, got 0"),
+    (dict(output_len=4.0), r"output_len must be an int >= 1, got 4.0"),
+    (dict(n=0), r"n must be an int >= 1"), (dict(beam_width=None), r"beam_width must be"),
+    (dict(session_id=-2), r"session_id must be an int >= 0")])
+def test_a_trace_request_refuses_bad_fields(kwargs, match):
+    """A NaN arrival was accepted and then stalled ``replay`` forever (it never came due)."""
+    fields = dict(request_id=0, arrival_time=0.0, prompt_token_ids=(1, 2), output_len=4)
+    with pytest.raises(ValueError, match=match):
+        tr.TraceRequest(**{**fields, **kwargs})
+
+
+def test_check_trace_refuses_what_is_not_a_trace_and_repeated_ids():
+    t = tr.TraceRequest(3, 0.0, (1,), 2)
+    assert tr.check_trace((t,)) == [t]
+    with pytest.raises(ValueError, match="trace must be a list of TraceRequest, got NoneType"):
+        tr.check_trace(None)
+    with pytest.raises(ValueError, match="item 1 is int 7"):
+        tr.check_trace([t, 7])
+    with pytest.raises(ValueError, match="trace item 1: request_id 3 is already used"):
+        tr.check_trace([t, tr.TraceRequest(3, 1.0, (2,), 2)])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: tr.gamma_arrivals(3, 1.0, math.inf), r"burstiness must be finite and > 0"),
+    (lambda: tr.gamma_arrivals(3, 1.0, True), r"burstiness .* got True"),
+    (lambda: tr.poisson_arrivals(3, True), r"rate must be > 0 requests/s .* got True"),
+    (lambda: tr.multi_turn_chat(2, 2, think_time=None), r"think_time must be a finite number"),
+    (lambda: tr.multi_turn_chat(2, 2, think_time=math.inf), r"think_time .* got inf")])
+def test_arrival_knobs_refuse_values_that_make_no_times(call, match):
+    """burstiness=inf drew NaN arrival times; a bool was a rate; None a TypeError."""
+    with pytest.raises(ValueError, match=match):
+        call()

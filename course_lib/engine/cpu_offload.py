@@ -59,8 +59,12 @@ GiB = 1 << 30
 
 def num_offload_blocks(kv_offloading_size: float, block_bytes: int) -> int:
     """Blocks of ``block_bytes`` (all layers, K and V) that ``kv_offloading_size`` GiB hold."""
-    if not kv_offloading_size > 0:
-        raise ValueError(f"kv_offloading_size must be > 0 GiB, got {kv_offloading_size!r}")
+    if isinstance(kv_offloading_size, bool) or not isinstance(kv_offloading_size, (int, float)) \
+            or not 0 < kv_offloading_size < float("inf"):
+        raise ValueError(f"kv_offloading_size must be a finite number of GiB > 0, got "
+                         f"{kv_offloading_size!r}")
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes must be an int >= 1, got {block_bytes!r}")
     num = int(kv_offloading_size * GiB // block_bytes)
     if num < 1:
         raise ValueError(f"kv_offloading_size={kv_offloading_size} GiB holds no block of "

@@ -35,24 +35,28 @@ def prompt_token_ids(prompt: str | Sequence[int], tokenizer: ByteTokenizer,
     return ids
 
 
-def check_params(params: object) -> SamplingParams:
+def check_params(params: object, vocab_size: int | None = None) -> SamplingParams:
     """``params`` (None: the defaults) as a ``SamplingParams`` the engine can run, or
-    ``ValueError``. ``SamplingParams`` checks its own values."""
+    ``ValueError``. ``SamplingParams`` checks its own values; what it cannot know, the model's
+    vocabulary, is checked here: a stop token past it could never be drawn (vLLM 0.33.0
+    refuses it too, ``_validate_stop_token_ids`` in ``vllm/sampling_params.py``)."""
     params = params if params is not None else SamplingParams()
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be None or a SamplingParams, got "
                          f"{type(params).__name__} {params!r:.60}")
+    if vocab_size is not None:
+        token_ids_or_error(params.stop_token_ids, vocab_size, "stop_token_ids")
     if params.logprobs is not None and params.use_beam_search:
         raise ValueError("logprobs with beam_width > 1: the beams' scores are their "
                          "cumulative logprobs already; ask for logprobs without beams")
     return params
 
 
-def request_params(params: SamplingParams | None,
-                   stop_token_ids: frozenset[int]) -> SamplingParams:
+def request_params(params: SamplingParams | None, stop_token_ids: frozenset[int],
+                   vocab_size: int | None = None) -> SamplingParams:
     """``params`` (None: the defaults) checked (:func:`check_params`), with the engine's
     ``stop_token_ids`` (EOS) added to the request's own."""
-    params = check_params(params)
+    params = check_params(params, vocab_size)
     extra = tuple(t for t in sorted(stop_token_ids) if t not in params.stop_token_ids)
     if extra:                              # the engine's stop tokens (EOS) join the request's
         params = replace(params, stop_token_ids=params.stop_token_ids + extra)
@@ -70,11 +74,12 @@ def check_request_id(request_id: object, in_use: Container[int]) -> None:
 def generate_inputs(prompts: str | Sequence[str] | Sequence[Sequence[int]],
                     params: SamplingParams | Sequence[SamplingParams] | None,
                     check_prompt: Callable[[str | Sequence[int]], object], *,
-                    on_step: object = None) -> tuple[Sequence, Sequence[SamplingParams]]:
+                    on_step: object = None, vocab_size: int | None = None
+                    ) -> tuple[Sequence, Sequence[SamplingParams]]:
     """``generate``'s arguments as one list of prompts and one ``SamplingParams`` per prompt,
     every prompt checked by ``check_prompt`` and every ``SamplingParams`` by
-    :func:`check_params` (their errors name the index), and ``on_step`` (None or a callable):
-    all before any request is queued."""
+    :func:`check_params` (against ``vocab_size``; their errors name the index), and
+    ``on_step`` (None or a callable): all before any request is queued."""
     if on_step is not None and not callable(on_step):
         raise ValueError(f"on_step must be None or a callable(engine, scheduler_output), "
                          f"got {type(on_step).__name__} {on_step!r:.60}")
@@ -97,7 +102,7 @@ def generate_inputs(prompts: str | Sequence[str] | Sequence[Sequence[int]],
         except ValueError as exc:
             raise ValueError(f"prompt {i}: {exc}") from None
         try:
-            check_params(sp)
+            check_params(sp, vocab_size)
         except ValueError as exc:
             raise ValueError(f"params {i}: {exc}") from None
     return prompts, params

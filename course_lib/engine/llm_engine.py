@@ -34,6 +34,7 @@ forward pass (``model_runner.py``) and the sampler (``sampler.py``).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -50,7 +51,14 @@ from ..scheduler.metrics import Metrics
 from ..scheduler.output import ScheduledSeq, SchedulerOutput
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.v1 import SchedulerV1
-from ..sequence import Request, RequestFailed, SamplingParams, SequenceStatus
+from ..sequence import (
+    Request,
+    RequestFailed,
+    SamplingParams,
+    SequenceStatus,
+    token_ids_or_error,
+)
+from ..sizing.units import GiB, format_bytes
 from .cpu_offload import CPUOffloadConnector
 from .inputs import check_request_id, generate_inputs, prompt_token_ids, request_params
 from .kv_connector import KVConnectorBase_V1
@@ -111,6 +119,7 @@ class LLMEngine:
             from ..model.loader import load_tiny_model
 
             model = load_tiny_model()
+        self._check_arguments(model, scheduler_config, cache_config, clock)
         context = model.config.max_position
         if scheduler_config is None:
             scheduler_config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
@@ -121,6 +130,7 @@ class LLMEngine:
         cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256)
         if design not in DESIGNS:
             raise ValueError(f"design must be one of {tuple(DESIGNS)}, got {design!r}")
+        self._check_kv_memory(model, cache_config, design)
         self.design = design
         self.model = model
         self.tokenizer = ByteTokenizer()
@@ -138,7 +148,8 @@ class LLMEngine:
             kv_connector.register_kv_caches(self.runner.gpu_caches)
         self._check_block_size()
         self.metrics = Metrics(self.scheduler, model_name)
-        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop_token_ids = frozenset(token_ids_or_error(
+            stop_token_ids, model.config.vocab_size, "stop_token_ids"))
         self.clock = clock
         self._t0 = clock()
         self._next_request_id = 0
@@ -148,6 +159,22 @@ class LLMEngine:
         self.num_steps = 0
         self._broken: RollbackFailed | None = None     # a failed step could not be undone
         self._lock = threading.RLock()       # a step, and requests coming in or aborted
+
+    @staticmethod
+    def _check_arguments(model: object, scheduler_config: object, cache_config: object,
+                         clock: object) -> None:
+        """What the constructor reads before anything is built, checked with an error that
+        names the argument (a dict for a config would otherwise fail deep inside with an
+        ``AttributeError``)."""
+        for name, value, cls in (("model", model, TinyLlama),
+                                 ("scheduler_config", scheduler_config, SchedulerConfig),
+                                 ("cache_config", cache_config, CacheConfig)):
+            if value is not None and not isinstance(value, cls):
+                raise ValueError(f"{name} must be None or a {cls.__name__}, got "
+                                 f"{type(value).__name__} {value!r:.60}")
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds (e.g. "
+                             f"time.perf_counter), got {type(clock).__name__} {clock!r:.60}")
 
     @staticmethod
     def _kv_connector(model: TinyLlama, cache_config: CacheConfig, design: str,
@@ -163,11 +190,50 @@ class LLMEngine:
         if kv_connector is not None and size is not None:
             raise ValueError("give kv_connector or CacheConfig.kv_offloading_size, not both")
         if kv_connector is None:
-            cfg, param = model.config, next(model.parameters())
-            block_bytes = (2 * cfg.num_layers * cache_config.block_size * cfg.num_kv_heads
-                           * cfg.head_dim * param.element_size())
-            kv_connector = CPUOffloadConnector.from_kv_offloading_size(size, block_bytes)
+            kv_connector = CPUOffloadConnector.from_kv_offloading_size(
+                size, LLMEngine._block_bytes(model, cache_config.block_size))
         return kv_connector
+
+    @staticmethod
+    def _block_bytes(model: TinyLlama, block_size: int) -> int:
+        """Bytes of one KV block of ``model``, all layers, K and V."""
+        cfg, param = model.config, next(model.parameters())
+        return (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+                * param.element_size())
+
+    @staticmethod
+    def _check_kv_memory(model: TinyLlama, cache_config: CacheConfig, design: str) -> None:
+        """``ValueError`` when the pools asked for cannot fit the machine, before any is
+        built: a typo such as ``num_gpu_blocks=10**9`` would otherwise build a billion-entry
+        free list and get the process killed for memory, with no message. vLLM 0.33.0 meets
+        no such count: it derives its block count from the memory it profiles
+        (``vllm/v1/core/kv_cache_planning.py``: available bytes // bytes per block, unless
+        ``num_gpu_blocks_override``); the course takes a count, so it checks the count
+        against the memory instead. Counted: the GPU pool on the model's device
+        (its free memory on CUDA), and in host memory the V0 swap space (``num_cpu_blocks``;
+        V1 has none) and the CPU offload tier (``kv_offloading_size``)."""
+        import torch
+
+        block = LLMEngine._block_bytes(model, cache_config.block_size)
+        device = next(model.parameters()).device
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        swap = cache_config.num_cpu_blocks * block if design == "v0" else 0
+        tier = round((cache_config.kv_offloading_size or 0) * GiB)
+        if device.type == "cuda":
+            pools = [("num_gpu_blocks", cache_config.num_gpu_blocks * block,
+                      torch.cuda.mem_get_info(device)[0], f"free memory of {device}")]
+        else:
+            pools = [("num_gpu_blocks", cache_config.num_gpu_blocks * block, host,
+                      "host memory (the model is on the CPU)")]
+            host -= pools[0][1]
+        pools += [("num_cpu_blocks", swap, host, "host memory left"),
+                  ("kv_offloading_size", tier, host - swap, "host memory left")]
+        for name, need, limit, where in pools:
+            if need > limit:
+                value = getattr(cache_config, name)
+                raise ValueError(f"{name}={value!r} needs {format_bytes(need)} of KV cache "
+                                 f"({format_bytes(block)} per block), more than the "
+                                 f"{format_bytes(max(limit, 0))} of {where}")
 
     def _check_block_size(self) -> None:
         """The block manager's tables and the runner's tensors must agree on a block's size
@@ -215,7 +281,7 @@ class LLMEngine:
         disaggregation's ``do_remote_decode`` (:mod:`course_lib.engine.p2p_connector`)."""
         with self._lock:                      # not while a step runs (another thread)
             ids = self._check_prompt(prompt)
-            params = request_params(params, self.stop_token_ids)
+            params = request_params(params, self.stop_token_ids, self.model.config.vocab_size)
             if request_id is None:
                 request_id = self._next_request_id
             check_request_id(request_id, self._requests)
@@ -447,7 +513,8 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         """Run ``prompts`` (all arriving now) to completion; outputs in the prompts' order.
         ``on_step(engine, scheduler_output)`` is called after every step (for drawings)."""
-        prompts, params = generate_inputs(prompts, params, self._check_prompt, on_step=on_step)
+        prompts, params = generate_inputs(prompts, params, self._check_prompt, on_step=on_step,
+                                          vocab_size=self.model.config.vocab_size)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         wanted = set(ids)
         done: dict[int, RequestOutput] = {}

@@ -397,6 +397,10 @@ def replay_ops(name: str, cases: Sequence[tuple], learner: type, reference: type
     an outcome (``"raises Type: message"``), ``NotImplementedError`` means not attempted."""
     passed, problem, failed = 0, None, []
     described = tuple(args_text(case) for case in cases)
+    if not callable(learner):                  # 5, None, or an instance: no class to build
+        return Verdict(name, 0, len(cases), f"pass the class itself (its name, not called), "
+                       f"got {type(learner).__name__} {learner!r:.60}", cases=described,
+                       failed=described)
     for c, (*setup, ops) in enumerate(cases):
         try:
             with deadline(CASE_SECONDS):
@@ -407,6 +411,11 @@ def replay_ops(name: str, cases: Sequence[tuple], learner: type, reference: type
             return Verdict(name, passed, len(cases), hung(
                 f"building it with {tuple(setup)}", CASE_SECONDS, len(cases) - c - 1, problem),
                 cases=described, failed=(*failed, described[c]))
+        except Exception as exc:   # its constructor's bug is a verdict too, not a crash
+            problem = problem or (f"building it with {tuple(setup)} raises "
+                                  f"{type(exc).__name__}: {exc}")
+            failed.append(described[c])
+            continue
         ref = reference(*setup)
         for i in range(len(ops)):
             want = outcome(ref, tuple(setup), ops, i)

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
 from ..checkpoint import Checkpoint
-from ..config import CacheConfig, SchedulerConfig
+from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..memory.common import AllocStatus
 from ..memory.v0.fast import FastBlockManager
 from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
@@ -72,8 +72,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
                  victim_policy: VictimPolicy = last_arrived_first) -> None:
-        self.config = scheduler_config or SchedulerConfig()
-        self.cache_config = cc = cache_config or CacheConfig()
+        self.config = config_or_default(scheduler_config, SchedulerConfig, "scheduler_config")
+        self.cache_config = cc = config_or_default(cache_config, CacheConfig, "cache_config")
         if cc.prefix_cache != "hash":
             raise ValueError(f"prefix_cache={cc.prefix_cache!r} is a V1-design option; the V0 "
                              "design keeps its own verified hash chain (use 'hash')")

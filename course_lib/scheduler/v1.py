@@ -44,7 +44,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from ..checkpoint import Checkpoint
-from ..config import CacheConfig, SchedulerConfig
+from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..memory.radix.kv_cache_manager import RadixKVCacheManager
 from ..memory.v1.kv_cache_manager import KVCacheManager
 from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
@@ -71,8 +71,8 @@ class SchedulerV1:
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
-        self.config = scheduler_config or SchedulerConfig()
-        self.cache_config = cc = cache_config or CacheConfig()
+        self.config = config_or_default(scheduler_config, SchedulerConfig, "scheduler_config")
+        self.cache_config = cc = config_or_default(cache_config, CacheConfig, "cache_config")
         manager = RadixKVCacheManager if cc.prefix_cache == "radix" else KVCacheManager
         self.kv_cache_manager = manager(cc.block_size, cc.num_gpu_blocks,
                                         cc.enable_prefix_caching, cc.watermark)

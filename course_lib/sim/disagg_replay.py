@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..capacity import KVBudget, plan_kv_cache
-from ..config import CacheConfig, SchedulerConfig
+from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..scheduler.kv_connector import KVConnectorScheduler
 from ..scheduler.output import KVConnectorMetadata, SchedulerOutput
 from ..scheduler.v1 import SchedulerV1
@@ -74,8 +74,8 @@ from ..sequence import Sequence as Seq
 from ..sizing.blocks import num_blocks_for_tokens
 from ..sizing.models import ModelSpec, get_preset
 from .fake_sampler import fake_samples
-from .replay import CostModel, _mean, _p99
-from .traces import TraceRequest, random_like
+from .replay import CostModel, _mean, _p99, check_cost_model
+from .traces import TraceRequest, check_trace, random_like
 
 #: one 400 Gb/s RDMA NIC (InfiniBand NDR or RoCE), the link a P/D pair of nodes commonly has,
 #: in bytes/s; NVLink between GPUs of one node is ~10x more
@@ -491,9 +491,11 @@ def replay_colocated(trace: Sequence[TraceRequest], num_gpus: int,
     """``num_gpus`` engines, each its own V1 scheduler and pool of ``cache_config``'s blocks,
     requests routed to the least loaded (module docstring); every request runs to the end."""
     _check_count("num_gpus", num_gpus)
+    _check_count("max_events", max_events)
+    trace = check_trace(trace)
     engines = [_Engine(i, "colocated", SchedulerV1(scheduler_config, cache_config))
                for i in range(num_gpus)]
-    loop = _Loop(engines, cost_model or CostModel(), KVLink(), check_invariants, max_events)
+    loop = _Loop(engines, check_cost_model(cost_model), KVLink(), check_invariants, max_events)
     loop.run(trace)
     return _result(f"colocated x{num_gpus}", loop, trace)
 
@@ -511,9 +513,14 @@ def replay_disaggregated(trace: Sequence[TraceRequest], num_prefill: int, num_de
     engines (e.g. a ``max_num_seqs`` cap). Every request runs to the end."""
     _check_count("num_prefill", num_prefill)
     _check_count("num_decode", num_decode)
-    cost = cost_model or CostModel()
+    _check_count("max_events", max_events)
+    trace = check_trace(trace)
+    cost = check_cost_model(cost_model)
+    if link is not None and not isinstance(link, KVLink):
+        raise ValueError(f"link must be None or a KVLink, got {type(link).__name__} "
+                         f"{link!r:.60}")
     link = link or KVLink()
-    cc = cache_config or CacheConfig()
+    cc = config_or_default(cache_config, CacheConfig, "cache_config")
     engines = [_Engine(i, "prefill", SchedulerV1(scheduler_config, cc, _PrefillSide()))
                for i in range(num_prefill)]
     loop = _Loop(engines, cost, link, check_invariants, max_events)

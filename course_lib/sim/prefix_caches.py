@@ -17,6 +17,8 @@ from typing import NamedTuple
 from ..memory.radix.radix_cache import RadixCache
 from ..memory.v0.manager import BlockManager
 from ..memory.v1.kv_cache_manager import KVCacheManager
+from ..sizing.blocks import check_block_size
+from ..sizing.units import check_int
 
 
 class PrefixRun(NamedTuple):
@@ -46,8 +48,16 @@ def deep_sizeof(root) -> int:
     return total
 
 
+def _check_pool(slots: int, block: int) -> None:
+    """A pool of at least one block of ``block`` (a power of two) tokens."""
+    check_block_size(block)
+    check_int("slots", slots, block)
+
+
 def rag_like(num: int, seed: int = 0) -> list[list[int]]:
     """Eight 512-token documents; each prompt is one of them plus a question."""
+    check_int("num", num, 0)
+    check_int("seed", seed, 0)
     rng = random.Random(seed)
     docs = [[rng.randrange(32000) for _ in range(512)] for _ in range(8)]
     return [rng.choice(docs) + [rng.randrange(32000) for _ in range(rng.randint(8, 48))]
@@ -56,6 +66,7 @@ def rag_like(num: int, seed: int = 0) -> list[list[int]]:
 
 def serve_v0(prompts, slots: int = 8192, block: int = 16) -> PrefixRun:
     """vLLM V0 / the paper: ``BlockManager`` with verified chained hashes."""
+    _check_pool(slots, block)
     m = BlockManager(block, slots // block, watermark=0.0, enable_prefix_caching=True)
     hits = 0
     t0 = time.process_time()
@@ -71,6 +82,7 @@ def serve_v0(prompts, slots: int = 8192, block: int = 16) -> PrefixRun:
 
 def serve_v1(prompts, slots: int = 8192, block: int = 16) -> PrefixRun:
     """vLLM V1: ``KVCacheManager``, sha256 chain, hits trusted."""
+    _check_pool(slots, block)
     m = KVCacheManager(block, slots // block, enable_caching=True)
     hits = 0
     t0 = time.process_time()
@@ -88,6 +100,8 @@ def serve_v1(prompts, slots: int = 8192, block: int = 16) -> PrefixRun:
 
 def serve_radix(prompts, slots: int = 8192, page_size: int = 1) -> PrefixRun:
     """SGLang: a radix tree over token ids, ``page_size`` tokens per page."""
+    check_int("page_size", page_size, 1)
+    check_int("slots", slots, page_size)
     cache = RadixCache(slots, page_size)
     hits = 0
     t0 = time.process_time()

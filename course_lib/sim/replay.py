@@ -24,10 +24,11 @@ from ..scheduler.policy import VictimPolicy, last_arrived_first
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.v1 import SchedulerV1
 from ..sequence import Request, SamplingParams
+from ..sizing.blocks import check_block_size
 from ..sizing.models import ModelSpec, get_preset
-from ..sizing.units import cdiv
+from ..sizing.units import cdiv, check_int
 from .fake_sampler import fake_samples
-from .traces import TraceRequest
+from .traces import TraceRequest, check_trace
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,10 @@ class CostModel:
     s_per_copy: float = 4e-6
 
     def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        for name, value in vars(self).items():     # a bool or "1e-4" is no cost; inf no time
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @staticmethod
     def for_model(spec: ModelSpec | str, **overrides) -> CostModel:
@@ -87,6 +89,16 @@ class CostModel:
                 + context * self.s_per_context_token + self.swap_time(swapped, block_size))
 
 
+def check_cost_model(cost_model: object) -> CostModel:
+    """``cost_model``, or the default :class:`CostModel` for None, or ``ValueError``."""
+    if cost_model is None:
+        return CostModel()
+    if not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model must be None or a CostModel, got "
+                         f"{type(cost_model).__name__} {cost_model!r:.60}")
+    return cost_model
+
+
 class PreemptionCost(NamedTuple):
     num_tokens: int
     block_size: int
@@ -101,6 +113,13 @@ class PreemptionCost(NamedTuple):
 def preemption_costs(cost: CostModel, lengths: Sequence[int],
                      block_sizes: Sequence[int]) -> list[PreemptionCost]:
     """Recompute vs swap (out + in) for one sequence of each length, at each block size."""
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a CostModel, got {type(cost).__name__} {cost!r:.60}")
+    lengths, block_sizes = list(lengths), list(block_sizes)
+    for n in lengths:
+        check_int("lengths' items", n, 0)
+    for bs in block_sizes:
+        check_block_size(bs)
     rows = []
     for n in lengths:
         for bs in block_sizes:
@@ -227,9 +246,11 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
     the first step (e.g. to serve ``/metrics`` while the replay runs). ``check_invariants``
     checks the scheduler and the block manager after every call (slow; for tests).
     """
-    cost = cost_model or CostModel()
+    cost = check_cost_model(cost_model)
     if design not in ("v0", "v1"):
         raise ValueError(f"design must be 'v0' or 'v1', got {design!r}")
+    check_int("max_steps", max_steps, 1)
+    trace = check_trace(trace)         # before anything runs: a NaN arrival would stall it
     sched = Scheduler(scheduler_config, cache_config, victim_policy) if design == "v0" \
         else SchedulerV1(scheduler_config, cache_config)
     metrics = Metrics(sched) if with_metrics or on_metrics else None

@@ -57,9 +57,47 @@ class TraceRequest:
     beam_width: int = 1  # > 1: beam search
     session_id: int | None = None  # multi-turn chat session, if any
 
+    def __post_init__(self) -> None:
+        """The scalar fields, checked where a hand-written trace is made: a NaN arrival time
+        would never come due and stall a replay forever. (The prompt's tokens are checked by
+        the request the replay makes of it.)"""
+        _check_count("request_id", self.request_id)
+        t = self.arrival_time
+        if isinstance(t, bool) or not isinstance(t, (int, float)) \
+                or not 0 <= t < float("inf"):
+            raise ValueError(f"request {self.request_id}: arrival_time must be a finite "
+                             f"number of seconds >= 0 (from the start of the trace), got {t!r}")
+        if not isinstance(self.prompt_token_ids, tuple):
+            raise ValueError(f"request {self.request_id}: prompt_token_ids must be a tuple of "
+                             f"token ids, got {type(self.prompt_token_ids).__name__} "
+                             f"{self.prompt_token_ids!r:.60}")
+        for name in ("output_len", "n", "beam_width"):
+            _check_count(name, getattr(self, name), 1)
+        if self.session_id is not None:
+            _check_count("session_id", self.session_id)
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def check_trace(trace: object) -> list[TraceRequest]:
+    """``trace`` as a list of :class:`TraceRequest` with distinct request ids, or
+    ``ValueError`` naming the first bad item: the replays key their requests by id, so a
+    repeated id would mix two requests' tokens and times."""
+    if isinstance(trace, (str, bytes)) or not isinstance(trace, Sequence):
+        raise ValueError(f"trace must be a list of TraceRequest, got "
+                         f"{type(trace).__name__} {trace!r:.60}")
+    seen: set[int] = set()
+    for i, t in enumerate(trace):
+        if not isinstance(t, TraceRequest):
+            raise ValueError(f"trace must be a list of TraceRequest; item {i} is "
+                             f"{type(t).__name__} {t!r:.60}")
+        if t.request_id in seen:
+            raise ValueError(f"trace item {i}: request_id {t.request_id} is already used by "
+                             f"an earlier request")
+        seen.add(t.request_id)
+    return list(trace)
 
 
 class Lengths(NamedTuple):
@@ -74,7 +112,7 @@ def _check_count(name: str, value: int, minimum: int = 0) -> None:
 
 
 def _check_rate(rate: float) -> None:
-    if not (isinstance(rate, (int, float)) and rate > 0):   # nan fails too
+    if isinstance(rate, bool) or not (isinstance(rate, (int, float)) and rate > 0):  # nan too
         raise ValueError(f"rate must be > 0 requests/s (float('inf'): all at t=0), got {rate!r}")
 
 
@@ -158,8 +196,10 @@ def gamma_arrivals(num: int, rate: float, burstiness: float = 1.0,
     everyone at t=0."""
     _check_count("num", num)
     _check_rate(rate)
-    if not (isinstance(burstiness, (int, float)) and burstiness > 0):
-        raise ValueError(f"burstiness must be > 0 (1: Poisson, < 1: bursty), got {burstiness!r}")
+    if isinstance(burstiness, bool) or not isinstance(burstiness, (int, float)) \
+            or not 0 < burstiness < float("inf"):      # inf: gamma draws NaN gaps
+        raise ValueError(f"burstiness must be finite and > 0 (1: Poisson, < 1: bursty), "
+                         f"got {burstiness!r}")
     if math.isinf(rate):
         return [0.0] * num
     gaps = _rng(seed, _ARRIVALS).gamma(burstiness, 1.0 / (rate * burstiness), size=num)
@@ -238,8 +278,10 @@ def multi_turn_chat(num_sessions: int, turns: int, *, seed: int = 0, rate: float
                              ("system_prompt_len", system_prompt_len, 0),
                              ("user_len", user_len, 1), ("output_len", output_len, 1)):
         _check_count(name, value, low)
-    if not think_time >= 0:
-        raise ValueError(f"think_time must be >= 0 seconds, got {think_time!r}")
+    if isinstance(think_time, bool) or not isinstance(think_time, (int, float)) \
+            or not 0 <= think_time < float("inf"):
+        raise ValueError(f"think_time must be a finite number of seconds >= 0, got "
+                         f"{think_time!r}")
     _check_count("vocab_size", vocab_size, 2)
     starts = poisson_arrivals(num_sessions, rate, seed)
     rng = _rng(seed, _TOKENS)

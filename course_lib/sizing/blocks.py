@@ -35,9 +35,22 @@ def num_full_blocks(num_tokens: int, block_size: int = 16) -> int:
     return num_tokens // block_size
 
 
+def _token_counts(used_tokens: Iterable[int]) -> list[int]:
+    """Each request's token count, an integer >= 0 (numpy's included), or ``ValueError``:
+    never converted, so ``"8"`` or ``8.7`` is refused rather than read as 8."""
+    if isinstance(used_tokens, (str, bytes)) or not isinstance(used_tokens, Iterable):
+        raise ValueError(f"used_tokens must be a list of token counts, got "
+                         f"{type(used_tokens).__name__} {used_tokens!r:.60}")
+    used = list(used_tokens)
+    for i, n in enumerate(used):
+        if isinstance(n, bool) or not hasattr(n, "__index__") or n < 0:
+            raise ValueError(f"used_tokens must be integers >= 0; item {i} is {n!r}")
+    return [int(n) for n in used]
+
+
 def static_utilization(used_tokens: Iterable[int], max_seq_len: int) -> float:
     """Used / reserved slots when every request reserves max_seq_len contiguous slots."""
-    used = [int(n) for n in used_tokens]
+    used = _token_counts(used_tokens)
     check_int("max_seq_len", max_seq_len, 1)
     if not used or any(not 0 <= n <= max_seq_len for n in used):
         raise ValueError(f"used_tokens must be non-empty, each in [0, {max_seq_len}], got {used}")
@@ -46,7 +59,7 @@ def static_utilization(used_tokens: Iterable[int], max_seq_len: int) -> float:
 
 def paged_utilization(used_tokens: Iterable[int], block_size: int = 16) -> float:
     """Used / reserved slots when every request holds ceil(used / block_size) blocks."""
-    used = [int(n) for n in used_tokens]
+    used = _token_counts(used_tokens)
     slots = sum(num_blocks_for_tokens(n, block_size) * block_size for n in used)
     if slots == 0:
         raise ValueError(f"used_tokens must hold at least one token, got {used}")

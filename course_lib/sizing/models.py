@@ -45,8 +45,10 @@ class ModelSpec:
             check_int(name, getattr(self, name), 1)
         for name in ("kv_lora_rank", "qk_rope_head_dim", "max_position_embeddings"):
             check_int(name, getattr(self, name), 0)
-        if not self.param_bytes > 0:
-            raise ValueError(f"param_bytes must be > 0, got {self.param_bytes!r}")
+        pb = self.param_bytes
+        if isinstance(pb, bool) or not isinstance(pb, (int, float)) or not 0 < pb < float("inf"):
+            raise ValueError(f"param_bytes must be > 0, got {pb!r} (bytes per weight: a "
+                             f"finite number)")
         if self.is_mla:
             if self.num_kv_heads != 1:
                 raise ValueError("an MLA model caches one latent per token, so num_kv_heads "
@@ -95,10 +97,13 @@ PRESETS: dict[str, ModelSpec] = {s.name.lower(): s for s in (
 
 def get_preset(name: str) -> ModelSpec:
     """The preset called name (case-insensitive)."""
+    known = ", ".join(s.name for s in PRESETS.values())
+    if not isinstance(name, str):
+        raise ValueError(f"the preset name must be a str, one of {known}; got "
+                         f"{type(name).__name__} {name!r:.60}")
     try:
         return PRESETS[name.lower()]
     except KeyError:
-        known = ", ".join(s.name for s in PRESETS.values())
         raise ValueError(f"unknown model preset {name!r}; known presets: {known}") from None
 
 

@@ -37,8 +37,10 @@ def check_int(name: str, value: int, minimum: int) -> None:
 
 
 def check_nonneg(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    """A finite number >= 0: an amount of memory or time (inf bytes has no block count)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def format_bytes(num_bytes: float) -> str:
