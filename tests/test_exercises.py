@@ -296,3 +296,30 @@ def test_a_fix_the_bug_exercise_shows_the_code_its_wrong_answer_runs():
 
 def module_of(number: str):
     return importlib.import_module(f"course_lib.exercises.ch{int(number.split('.')[0]):02d}")
+
+
+def test_a_nested_deadline_gives_back_what_is_left_of_the_outer_one():
+    """An inner deadline restores the enclosing one minus the time the inner block took (it
+    restored ``outer - seconds``: an inner deadline of 1 s that took 0.01 s cut 1 s off the
+    outer one, which then fired early), and never outlasts it."""
+    import signal
+    import time
+
+    from course_lib.exercises import CaseTimeout, deadline
+
+    with deadline(5.0):
+        with deadline(2.0):
+            pass                                        # takes nothing
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert left > 4.5, left                         # was 3.0: 5 - 2
+        with deadline(60.0):                            # capped at what the outer has left
+            inner, _ = signal.getitimer(signal.ITIMER_REAL)
+            assert inner <= 5.0, inner
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    t0 = time.monotonic()
+    with pytest.raises(CaseTimeout):
+        with deadline(0.2):
+            with deadline(30.0):                        # the outer one still fires on time
+                while True:
+                    time.sleep(0.01)
+    assert time.monotonic() - t0 < 5

@@ -14,6 +14,7 @@ import copy
 import math
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,15 +46,17 @@ def deadline(seconds: float) -> Iterator[None]:
         raise CaseTimeout
 
     previous = signal.signal(signal.SIGALRM, expire)
-    outer, _ = signal.getitimer(signal.ITIMER_REAL)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)      # seconds left to an enclosing one
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        if outer:
-            signal.setitimer(signal.ITIMER_REAL, max(outer - seconds, 0.001))
+        if outer:                 # what is left of it now: the time this block really took
+            signal.setitimer(signal.ITIMER_REAL,
+                             max(outer - (time.monotonic() - start), 0.001))
 
 
 def hung(what: str, seconds: float, left: int, before: str | None = None) -> str:
