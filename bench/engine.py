@@ -131,9 +131,9 @@ def table_waiting_queue(model, sizes: list[int], steps: int) -> None:
             print(f"{label:>10} {waiting:>8,} {ms:>8.2f} {ms / base:>5.2f}x "
                   f"{100 * begin / ms:>10.1f} %")
     print("   target: within 1.2x of the step with nothing waiting")
-    print(f"\n   the transaction by pool size (begin + commit, median of {steps}; V1's pool and "
-          "the radix tree save only the blocks and nodes a step changes, V0 copies its pools' "
-          "lists)")
+    print(f"\n   the transaction by pool size (begin + commit, median of {steps}; each design "
+          "saves only what a step changes: V0's pool items and cache entries, V1's blocks, "
+          "the radix tree's nodes)")
     print(f"{'design':>10} {'blocks':>8} {'ms':>8}")
     for design, prefix_cache in (("v0", "hash"), ("v1", "hash"), ("v1", "radix")):
         label = design if prefix_cache == "hash" else "v1 radix"
