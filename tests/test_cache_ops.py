@@ -109,3 +109,30 @@ def test_swap_blocks_rejects_mismatched_caches():
                               torch.tensor([[0, 0]]))
     with pytest.raises(ValueError, match="dst block numbers must be in 0..1"):
         cache_ops.swap_blocks(torch.zeros(3, 8), torch.zeros(2, 8), torch.tensor([[0, 2]]))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda kc, vc: cache_ops.reshape_and_cache(kc[0, 0], kc[0, 0], kc, vc,
+                                                torch.tensor([0], device=DEV)),
+     "must both be \\[num_tokens, 2, 16\\]"),
+    (lambda kc, vc: cache_ops.reshape_and_cache(kc[0], vc[0], kc, vc,
+                                                torch.arange(8.0, device=DEV)),
+     "slot_mapping must be an integer"),
+    (lambda kc, vc: cache_ops.copy_blocks(kc, vc, torch.tensor([[0.5, 1.7]], device=DEV)),
+     "block_mapping must be an integer"),
+    (lambda kc, vc: cache_ops.copy_blocks(kc, vc, torch.tensor([[0, 1]], device=DEV), tile=0),
+     "tile must be a power of two"),
+    (lambda kc, vc: cache_ops.copy_blocks(kc, vc, torch.tensor([[0, 1]], device=DEV), tile=3),
+     "tile must be a power of two"),
+    (lambda kc, vc: cache_ops.swap_blocks(kc, vc, torch.tensor([0, 1])), "must be \\[n, 2\\]"),
+    (lambda kc, vc: cache_ops.swap_blocks(kc, vc, torch.tensor([[0, 1, 2]])),
+     "must be \\[n, 2\\]"),
+    (lambda kc, vc: cache_ops.swap_blocks(kc, vc, torch.tensor([[0.9, 1.9]])),
+     "block_mapping must be an integer"),
+])
+def test_cache_ops_reject_bad_index_tensors_and_leave_the_cache(call, message):
+    kc, vc = caches()
+    before = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=message):
+        call(kc, vc)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])

@@ -347,3 +347,17 @@ def test_explorer_state_summary_reports_a_model_that_does_not_fit():
     assert "does not fit" in fig.axes[0].get_title()
     ok = ExplorerState(preset="deepseek-v3", tensor_parallel_size=16)
     assert "DeepSeek-V3 (MLA), TP=16" in ok.summary()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(preset="nope"), "unknown model preset 'nope'"),
+    (dict(block_size=64), r"block_size must be one of \[8, 16, 32\]"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size must be one of"),
+    (dict(max_model_len=1000), "max_model_len must be one of"),
+    # sliders clamp out-of-range values without a word: the state would not be what is shown
+    (dict(total_gpu_memory_gib=-1.0), r"total_gpu_memory_gib must be in \[16, 192\]"),
+    (dict(gpu_memory_utilization=2.0), r"gpu_memory_utilization must be in \[0.5, 1.0\]"),
+])
+def test_capacity_explorer_refuses_a_state_its_widgets_cannot_show(change, message):
+    with pytest.raises(ValueError, match=message):
+        CapacityExplorer(ExplorerState(**change))

@@ -220,3 +220,14 @@ def test_the_deployments_refuse_a_bad_trace_or_cost_model_before_running(run):
         run([t], max_events=0)
     with pytest.raises(ValueError, match="cache_config must be None or a CacheConfig"):
         run([t], cache_config={})
+
+
+@pytest.mark.parametrize("ttft, tpot", [(-1.0, 1.0), (1.0, -0.5), (math.nan, 1.0),
+                                        (1.0, math.nan), (True, 1.0), ("2", 1.0)])
+def test_slo_rejects_negative_nan_and_non_numbers(ttft, tpot):
+    with pytest.raises(ValueError, match="must be a number of seconds >= 0"):
+        SLO(ttft, tpot)
+
+
+def test_slo_accepts_zero_and_no_limit():
+    assert SLO(0, math.inf).tpot_s == math.inf

@@ -173,3 +173,27 @@ def test_prefix_session_random_use_keeps_the_manager_consistent(ops):
             r = s.submit("p", prompt, keep=keep)
             assert r.num_cached_tokens <= len(prompt) - 1 and r.num_cached_tokens % 2 == 0
         s.manager.check_invariants()
+
+
+def test_a_submit_that_can_never_fit_finishes_no_running_request():
+    session = PrefixCacheSession(block_size=4, num_gpu_blocks=16)
+    session.submit("a", [1, 2, 3, 4, 5])
+    session.submit("b", [9, 8, 7, 6, 5])
+    held = session.num_held_blocks
+    with pytest.raises(ValueError, match="can never fit"):
+        session.submit("c", list(range(200)))
+    assert session.running == [0, 1] and session.num_held_blocks == held
+    session.manager.check_invariants()
+
+
+@pytest.mark.parametrize("token_ids", [[-1, 2, 3], "abc", [1.5, 2]])
+def test_a_submit_of_bad_token_ids_is_refused(token_ids):
+    session = PrefixCacheSession()
+    with pytest.raises(ValueError, match="token ids must be integers >= 0"):
+        session.submit("x", token_ids)
+    assert session.history == [] and session.num_held_blocks == 0
+
+
+def test_prefix_cache_explorer_checks_the_shape_of_its_prompts():
+    with pytest.raises(ValueError, match=r"prompt 'a' must be a \(token_ids, extra_key, reply\)"):
+        PrefixCacheExplorer(prompts={"a": "hello"})

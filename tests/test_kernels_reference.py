@@ -159,3 +159,51 @@ def test_prefill_tiles_pack_whole_groups():
                                 interpreted=False)
         assert t.block_m % t.group_pad == 0 and t.block_q >= 1 and t.block_m >= 16
         assert t.group_pad >= group
+
+
+@pytest.mark.parametrize("change, message", [
+    # a host bound below the true maximum makes the kernels skip tokens: a wrong answer
+    (dict(max_seq_len=3), "max_seq_len must be >= the batch's longest \\(20\\)"),
+    (dict(max_query_len=1), "max_query_len must be >= the batch's longest \\(4\\)"),
+    (dict(max_seq_len=0), "max_seq_len must be an integer >= 1"),
+    (dict(max_query_len=2.5), "max_query_len must be an integer >= 1"),
+    (dict(scale=float("nan")), "scale must be a finite number > 0"),
+    (dict(scale="0.1"), "scale must be a finite number > 0"),
+    (dict(key_cache=torch.zeros(7, 8, 2, 32, device="meta"),
+          value_cache=torch.zeros(7, 8, 2, 32, device="meta")), "one device"),
+    (dict(query=[[0.0]]), "query must be a torch.Tensor"),
+])
+def test_paged_attention_rejects_bad_bounds_scale_and_devices(change, message):
+    b = batch.make_paged_batch([3, 20], [3, 4], block_size=8, seed=2)
+    args = dict(query=b.query, key_cache=b.key_cache, value_cache=b.value_cache,
+                block_tables=b.block_tables, seq_lens=b.seq_lens,
+                query_start_loc=b.query_start_loc)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        kernels.paged_attention(**args)
+
+
+def test_gather_kv_and_slot_mapping_reject_out_of_range_blocks():
+    b = batch.make_paged_batch([5], block_size=4, seed=0)
+    table = b.block_tables[0]
+    with pytest.raises(ValueError, match="seq_len must be an integer in 0..8"):
+        reference.gather_kv(b.key_cache, b.value_cache, table, 9)
+    with pytest.raises(ValueError, match="seq_len must be an integer in 0..8"):
+        reference.gather_kv(b.key_cache, b.value_cache, table, -1)
+    with pytest.raises(ValueError, match="block table entries must be in 0..4"):
+        reference.gather_kv(b.key_cache, b.value_cache, torch.tensor([0, 99]), 5)
+    # a negative block would give a negative slot, which the cache ops skip as padding
+    with pytest.raises(ValueError, match="must be a block number >= 0, got -3"):
+        reference.slot_mapping([-3, 2], [0], 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seq_lens=[]), "at least one sequence"),
+    (dict(seq_lens=[3], num_kv_heads=0), "num_kv_heads must be an integer >= 1"),
+    (dict(seq_lens=[3], num_heads=3, num_kv_heads=2), "multiple of num_kv_heads"),
+    (dict(seq_lens=[3], block_size=0), "block_size must be an integer >= 1"),
+    (dict(seq_lens=[3], spare_blocks=-5), "spare_blocks must be an integer >= 0"),
+])
+def test_make_paged_batch_rejects_bad_sizes(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        batch.make_paged_batch(**kwargs)

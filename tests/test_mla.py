@@ -76,3 +76,12 @@ def test_context_parallel_mla_merges_latent_partials():
              for a, b in split_ranges(17, 3)]
     o_lat, _ = merge_partials([p[1] for p in parts], [p[2] for p in parts])
     torch.testing.assert_close(mla.output_from_latent(w, o_lat), full, rtol=0, atol=1e-12)
+
+
+def test_mla_config_and_demo_reject_bad_sizes():
+    with pytest.raises(ValueError, match="num_heads must be an integer >= 1, got 0"):
+        mla.MLAConfig(num_heads=0)
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be even"):
+        mla.MLAConfig(qk_rope_head_dim=3)
+    with pytest.raises(ValueError, match="num_tokens must be an integer >= 0, got -1"):
+        mla.demo(num_tokens=-1)

@@ -282,3 +282,37 @@ def test_same_logits_as_hugging_face_llama_with_these_weights(model) -> None:
         ours, _ = model.forward_contiguous(x)
         theirs = hf(input_ids=x).logits
     torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_paged_forward_rejects_negative_positions_float_ids_and_a_foreign_batch(model) -> None:
+    caches = allocate_kv_caches(model.config, 4, 4)
+    meta = make_attention_metadata([[0, 1]], [0], [3], 4)
+    ids, pos = torch.tensor([1, 2, 3]), torch.arange(3)
+    before = [k.clone() for k, _ in caches]
+    with pytest.raises(ValueError, match=r"positions must be in 0\.\.255, got -3"):
+        model(ids, pos - 3, caches, meta)           # RoPE would rotate by a negative angle
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        model(ids.float(), pos, caches, meta)
+    with pytest.raises(ValueError, match="attn_metadata describes 3 new tokens, input_ids "
+                                         "holds 2"):
+        model(ids[:2], pos[:2], caches, meta)
+    with pytest.raises(ValueError, match="input_ids must be an integer tensor"):
+        model.forward_contiguous(ids[None].float())
+    assert all(torch.equal(k, b) for (k, _), b in zip(caches, before, strict=True))
+
+
+def test_generation_helpers_reject_bad_arguments(model) -> None:
+    from course_lib.model.generate import sample_next
+
+    logits = torch.randn(10)
+    for temperature in (math.nan, math.inf, -1.0, "0.5"):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            sample_next(logits, temperature)
+    with pytest.raises(ValueError, match="top_k must be None or an integer >= 1, got 0"):
+        sample_next(logits, 1.0, top_k=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got -1"):
+        generate_contiguous(model, [BOS_ID], -1)
+    for bad in (259, -1, 2.0):
+        with pytest.raises(ValueError, match=r"token id must be an integer in 0\.\.258"):
+            ByteTokenizer().token_str(bad)
+    assert ByteTokenizer().token_str(torch.tensor(BOS_ID)) == "<bos>"

@@ -141,3 +141,15 @@ def test_bad_settings_are_refused(model):
         compare(model, SMALL["chat"], 8, 8, configs=CONFIGS[1:])
     prompts = rag_prompts(OffloadWorkload("rag", num=20, num_docs=3, doc_len=8))
     assert len(prompts) == 20 and all(9 + 4 <= len(p) <= 1 + 16 + 12 for p in prompts)
+
+
+@pytest.mark.parametrize("seed", [-1, "a", 1.5, True])
+def test_a_bad_workload_seed_is_refused_up_front(seed):
+    # accepted, it failed later, in the middle of a run (1000 * seed + key)
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        OffloadWorkload("rag", seed=seed)
+
+
+def test_a_repeated_config_is_refused(model):
+    with pytest.raises(ValueError, match="must not repeat a config"):
+        compare(model, SMALL["rag"], 8, 8, configs=(CONFIGS[0], CONFIGS[0]))

@@ -334,3 +334,39 @@ def test_a_launch_that_ends_leaves_no_process_a_rank_started_in_a_new_session(tm
     finally:
         _reap_sleeps(_pids(tmp_path, 2, timeout_s=1)[1::2]
                      if len(list(tmp_path.glob("rank*.pids"))) == 2 else [])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_kv_heads=0), "num_kv_heads must be an integer >= 1, got 0"),
+    (dict(num_heads=0), "num_heads must be an integer >= 1, got 0"),
+    (dict(head_dim=0), "head_dim must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(num_gpu_blocks=0), "num_gpu_blocks must be an integer >= 1"),
+    (dict(prompt_len=2.5), "prompt_len must be an integer >= 1, got 2.5"),
+    (dict(seed=-1), "seed must be an integer >= 0"),
+])
+def test_cp_case_rejects_bad_sizes(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CPCase(**kwargs)
+
+
+@pytest.mark.parametrize("positions, k_shape, message", [
+    ([0, 1], (2, 3, 4), "need k and v of \\[2, 1, 4\\]"),
+    ([-1, -2], (2, 1, 4), "positions must be integers >= 0"),
+])
+def test_a_failed_rank_cache_append_changes_nothing(positions, k_shape, message):
+    cache = RankKVCache(num_kv_heads=1, head_dim=4, block_size=4, num_gpu_blocks=2)
+    cache.append(7, [0], torch.ones(1, 1, 4), torch.ones(1, 1, 4))
+    with pytest.raises(ValueError, match=message):
+        cache.append(8, positions, torch.zeros(k_shape), torch.zeros(k_shape))
+    assert cache.positions == {7: [0]} and cache.manager.num_free_gpu_blocks == 1
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(timeout_s="x"), "timeout_s must be a number of seconds > 0"),
+    (dict(args=5), "args must be a tuple"),
+])
+def test_launch_rejects_bad_timeout_and_args_before_starting(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        launch(rank_sum_worker, 1, **kwargs)

@@ -114,3 +114,14 @@ def test_split_ranges_matches_the_seed_layout():
         split_ranges(10, 0)
     with pytest.raises(ValueError, match="num_tokens"):
         split_ranges(-1, 2)
+
+
+def test_merge_and_partial_attention_reject_bad_input():
+    q, k, v = torch.randn(2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    with pytest.raises(ValueError, match="at least one partial result"):
+        merge_partials([], [])
+    for scale in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            partial_attention(q, k, v, scale)
+    with pytest.raises(ValueError, match="heads must be a multiple of KV heads"):
+        partial_attention(q, k[:, :0], v[:, :0])

@@ -195,3 +195,43 @@ def test_figures_draw():
     fig = viz.draw_plan(article_case(), 200_000)
     assert "fits" in fig.axes[0].get_title() and "refuses" in fig.axes[0].get_title()
     assert viz.draw_plan(article_case(), 100_000).axes[0].get_title().endswith("fits")
+
+
+@pytest.mark.parametrize("value", [-80, float("nan"), "80"])
+def test_plan_and_recommend_reject_bad_gpu_memory(value):
+    spec = get_preset("llama-2-7b")
+    with pytest.raises(ValueError, match="gpu_memory_gib must be a finite number >= 0"):
+        plan(spec, value)
+    # recommend catches "does not fit" for every size: a bad memory must not read as "no"
+    with pytest.raises(ValueError, match="gpu_memory_gib must be a finite number >= 0"):
+        recommend(spec, 1000, value)
+    with pytest.raises(ValueError, match="weight_gib must be a finite number >= 0"):
+        plan(spec, 80, weight_gib=float("nan"))
+    with pytest.raises(ValueError, match="overhead_gib must be a finite number >= 0"):
+        plan(spec, 80, overhead_gib=-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(gpu_memory_gib=-1), "gpu_memory_gib must be one of"),
+    (dict(tp=0), "tp must be one of"),
+    (dict(cp=3), "cp must be one of"),
+    (dict(num_gpus=3), "num_gpus must be one of"),
+    (dict(context_len=0), "context_len must be one of"),
+    # a slider would clamp 2.0 to 0.95 without a word
+    (dict(gpu_memory_utilization=2.0), r"gpu_memory_utilization must be in \[0.8, 0.95\]"),
+])
+def test_explorer_refuses_start_values_its_widgets_cannot_show(kwargs, message):
+    from course_lib.viz.parallel import StrategyExplorer
+
+    with pytest.raises(ValueError, match=message):
+        StrategyExplorer(**kwargs)
+
+
+def test_drawings_of_plans_reject_bad_lengths():
+    from course_lib.viz.parallel import draw_move_q_vs_kv, draw_plan
+
+    spec = get_preset("llama-2-7b")
+    with pytest.raises(ValueError, match="context_len must be an integer >= 1, got 0"):
+        draw_plan(plan(spec, 80), 0)
+    with pytest.raises(ValueError, match="at least one context length"):
+        draw_move_q_vs_kv(spec, [], 2)

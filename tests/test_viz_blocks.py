@@ -91,3 +91,61 @@ def test_empty_manager_draws():
     fig = draw_pool_and_tables(BlockManager(block_size=4, num_gpu_blocks=3))
     assert len(fig.axes[1].patches) == 3
     assert _face_colors(fig)
+
+
+def _three_level(**change):
+    from course_lib.viz.attention import draw_three_level_mapping
+
+    args = dict(block_table=[3, 1], seq_len=6, block_size=4, num_blocks=8)
+    return draw_three_level_mapping(**(args | change))
+
+
+def _tradeoff(**change):
+    from course_lib.viz.attention import plot_block_size_tradeoff
+
+    args = dict(block_sizes=[8, 16], waste_fraction=[0.1, 0.2], time_per_step=[1.0, 2.0],
+                backend="cpu")
+    return plot_block_size_tradeoff(**(args | change))
+
+
+def _programs(**change):
+    from course_lib.viz.programs import draw_programs
+
+    return draw_programs(**(dict(n=10, block_size=4) | change))
+
+
+def _tradeoff_rows(**change):
+    from course_lib.viz.capacity_planning import block_size_tradeoff
+
+    return block_size_tradeoff(**(dict(lengths=[10], block_sizes=[16]) | change))
+
+
+def _table_growth(**change):
+    from course_lib.viz.serving import TableHistory, draw_table_growth
+
+    return draw_table_growth(TableHistory(), **(dict(block_size=4) | change))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: _three_level(seq_len=0), "seq_len must be an integer >= 1"),
+    (lambda: _three_level(block_size=0), "block_size must be an integer >= 1"),
+    (lambda: _three_level(ncols=0), "ncols must be an integer >= 1"),
+    (lambda: _tradeoff(waste_fraction=[0.1]), "of one length, got 2, 1, 2"),
+    (lambda: _tradeoff(block_sizes=[], waste_fraction=[], time_per_step=[]), "non-empty"),
+    (lambda: view_from_tables(8, {"A": [0]}, 0), "block_size must be an integer >= 1"),
+    (lambda: view_from_tables(8, {"A": [0]}, 4, {"A": 9}), r"num_tokens\['A'\] must be in 0..4"),
+    (lambda: view_from_tables(8, {"A": [0]}, 4, {"A": -1}), r"must be in 0..4"),
+    (lambda: view_from_tables(8, {"A": [0]}, 4, {"B": 2}), "names 'B', which has no table"),
+    (lambda: draw_pool_and_tables(view_from_tables(8, {"A": [0]}, 4), ncols=0),
+     "ncols must be an integer >= 1"),
+    (lambda: draw_static_vs_paged([-1], 5, view_from_tables(8, {"A": [0]}, 4)),
+     "must be in 0..5"),
+    (lambda: _programs(n=1000), r"n must be an integer in \[1, 256\]"),
+    (lambda: _programs(n=2.5), r"n must be an integer in \[1, 256\]"),
+    (lambda: _tradeoff_rows(block_sizes=[]), "at least one block size"),
+    (lambda: _tradeoff_rows(lengths=[0]), "at least one length >= 1"),
+    (lambda: _table_growth(block_size=0), "block_size must be an integer >= 1"),
+])
+def test_drawings_reject_bad_arguments_with_a_named_value(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -152,3 +152,15 @@ def test_design_explorer_is_readable():
     assert png_width(bytes(e.image.value)) <= NOTEBOOK_PX
     fig = draw_designs(compare_designs(10, 2, 600, True))
     assert shown_font_pt(fig, EXPLORER_DPI, NOTEBOOK_PX) >= MIN_FONT_PT
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda c, e: c(num_requests=0), "num_requests must be an integer >= 1"),
+    (lambda c, e: c(num_requests=5, n=0), "n must be an integer >= 1, got 0"),
+    (lambda c, e: e(num_requests=0), "num_requests must be an integer >= 1"),
+])
+def test_design_comparison_refuses_an_empty_trace(call, message):
+    from course_lib.viz.designs import DesignExplorer, compare_designs
+
+    with pytest.raises(ValueError, match=message):
+        call(compare_designs, DesignExplorer)

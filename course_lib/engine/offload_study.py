@@ -83,6 +83,9 @@ class OffloadWorkload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        # random.Random takes any hashable, but the sampling seeds are 1000 * seed + key
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {self.seed!r}")
 
 
 class WorkloadRun(NamedTuple):
@@ -323,6 +326,8 @@ def compare(model: TinyLlama, workload: OffloadWorkload, gpu_blocks: int, cpu_bl
     for config in configs:
         if config not in CONFIGS:
             raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
+    if len(set(configs)) != len(configs):
+        raise ValueError(f"configs must not repeat a config, got {list(configs)!r}")
     rows: list[OffloadRow] = []
     base_answers = None
     for config in configs:

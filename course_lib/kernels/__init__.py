@@ -31,6 +31,7 @@ so that ``python -m course_lib.kernels.aot`` can put Triton in JIT mode first.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -50,10 +51,26 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor | None, values: bool = True) -> None:
-    """Raise ``ValueError`` naming the bad input. ``values=False`` checks shapes and dtypes
-    only (no device sync); ``values=True`` also checks the lengths and block-table entries, with
-    one device-to-host copy for the whole batch."""
+                 query_start_loc: torch.Tensor | None, values: bool = True, *,
+                 max_query_len: int | None = None, max_seq_len: int | None = None) -> None:
+    """Raise ``ValueError`` naming the bad input. ``values=False`` checks shapes, dtypes and
+    devices only (no device sync); ``values=True`` also checks the lengths, the block-table
+    entries and the host-side bounds ``max_query_len`` / ``max_seq_len`` (a bound below the
+    true maximum makes the kernels skip tokens: a wrong result, not an error), with one
+    device-to-host copy for the whole batch."""
+    named = dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                 block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
+    for name, t in named.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    # a kernel handed a pointer of another device reads garbage or faults: one device for all
+    devices = {name: t.device for name, t in named.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+    for name, bound in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                                  or bound < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {bound!r}")
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got "
                          f"{tuple(query.shape)}")
@@ -114,6 +131,11 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             entries = block_tables[s, :cdiv(n, block_size)].tolist()
             raise ValueError(f"sequence {s}: block table entries must be in "
                              f"0..{num_blocks - 1}, got {entries}")
+    query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    for name, bound, true in (("max_query_len", max_query_len, max(query_lens)),
+                              ("max_seq_len", max_seq_len, max(lens))):
+        if bound is not None and bound < true:
+            raise ValueError(f"{name} must be >= the batch's longest ({true}), got {bound}")
 
 
 def interpreter_incompatibility() -> str | None:
@@ -168,7 +190,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
     check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                 values=validate)
+                 values=validate, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     # the kernels read seq_lens[s] at seq_lens + s (and query_start_loc alike): strided views
     # (a column of a bigger tensor) are copied here, a few integers
     seq_lens = seq_lens.contiguous()

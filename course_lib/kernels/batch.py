@@ -42,6 +42,16 @@ def make_paged_batch(seq_lens: list[int], query_lens: list[int] | None = None, *
                      device: str | torch.device = "cpu") -> PagedBatch:
     """A batch of ``len(seq_lens)`` sequences; ``query_lens`` new tokens each (default 1:
     decode). Block numbers are a random permutation of the pool (``seed``)."""
+    if not seq_lens:
+        raise ValueError("seq_lens must list at least one sequence, got []")
+    for name, value, low in (("num_heads", num_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                             ("head_dim", head_dim, 1), ("block_size", block_size, 1),
+                             ("spare_blocks", spare_blocks, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads must be a multiple of num_kv_heads={num_kv_heads} (GQA), "
+                         f"got {num_heads}")
     if query_lens is None:
         query_lens = [1] * len(seq_lens)
     if len(query_lens) != len(seq_lens):

@@ -77,6 +77,14 @@ if BACKEND.uses_triton:
         tl.store(value_cache_ptr + dst * stride_vcb + v_off, v, mask=mask)
 
 
+def _check_index_tensor(name: str, t: object) -> None:
+    """Block numbers and slots are integers: a float tensor would be truncated silently."""
+    if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex \
+            or t.dtype == torch.bool:
+        what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be an integer torch.Tensor, got {what}")
+
+
 def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
@@ -91,6 +99,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     ``validate=False`` skips the slot bound check, the one device read (the model's layers:
     ``make_attention_metadata`` checked the batch once)."""
     _check_cache_pair(key_cache, value_cache)
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be "
+                         f"[num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}]")
+    _check_index_tensor("slot_mapping", slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
@@ -129,6 +141,9 @@ def copy_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor,
     if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [n, 2] (src, dst), got "
                          f"{tuple(block_mapping.shape)}")
+    _check_index_tensor("block_mapping", block_mapping)
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 1, got {tile!r}")
     num_blocks = key_cache.shape[0]
     if block_mapping.numel() and not (0 <= int(block_mapping.min())
                                       and int(block_mapping.max()) < num_blocks):
@@ -163,6 +178,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
                          f"{dst.dtype} must hold blocks of the same shape and dtype")
+    _check_index_tensor("block_mapping", block_mapping)
+    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [n, 2] (src, dst), got "
+                         f"{tuple(block_mapping.shape)}")
     if block_mapping.numel() == 0:
         return
     pairs = block_mapping.to("cpu").long()

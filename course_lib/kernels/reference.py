@@ -31,6 +31,9 @@ def slot_mapping(block_table: list[int], positions: list[int], block_size: int) 
         if pos < 0 or logical >= len(block_table):
             raise ValueError(f"position {pos} is outside the {len(block_table)} blocks of the "
                              f"block table (valid: 0..{len(block_table) * block_size - 1})")
+        if block_table[logical] < 0:      # a negative slot means padding: the write is lost
+            raise ValueError(f"position {pos}: block table entry {logical} must be a block "
+                             f"number >= 0, got {block_table[logical]}")
         slots.append(block_table[logical] * block_size + pos % block_size)
     return slots
 
@@ -42,7 +45,15 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
     ``block_table``: that sequence's row ``[max_blocks]``. Returns two ``[seq_len, num_kv_heads,
     head_dim]`` tensors. Only the blocks that hold tokens are read (the rest may be garbage).
     """
-    block_size = key_cache.shape[1]
+    block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
+    capacity = block_table.shape[0] * block_size
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 <= seq_len <= capacity:
+        raise ValueError(f"seq_len must be an integer in 0..{capacity} (block table of "
+                         f"{block_table.shape[0]} blocks x {block_size}), got {seq_len!r}")
+    used = block_table[:-(-seq_len // block_size)]
+    if used.numel() and not (0 <= int(used.min()) and int(used.max()) < num_blocks):
+        raise ValueError(f"block table entries must be in 0..{num_blocks - 1}, got "
+                         f"{used.tolist()}")
     positions = torch.arange(seq_len, device=key_cache.device)
     blocks = block_table.to(key_cache.device).long()[positions // block_size]  # [seq_len]
     offsets = positions % block_size

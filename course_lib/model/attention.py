@@ -87,12 +87,12 @@ def make_attention_metadata(block_tables: list[list[int]], context_lens: list[in
     for table, ctx, q in zip(block_tables, context_lens, query_lens, strict=True):
         if ctx < 0 or q < 1:
             raise ValueError(f"need context_len >= 0 and query_len >= 1, got {ctx}, {q}")
-        slots += slot_mapping(table, list(range(ctx, ctx + q)), block_size)
-        used = table[:cdiv(ctx + q, block_size)]
+        used = table[:cdiv(ctx + q, block_size)] if block_size >= 1 else table
         if any(b < 0 or (num_blocks is not None and b >= num_blocks) for b in used):
             valid = "0.." + (str(num_blocks - 1) if num_blocks is not None else "")
             raise ValueError(f"block table {table}: the blocks of its {ctx + q} tokens must be "
                              f"in {valid}, got {used}")
+        slots += slot_mapping(table, list(range(ctx, ctx + q)), block_size)
     width = max(len(t) for t in block_tables)
     padded = [list(t) + [-1] * (width - len(t)) for t in block_tables]
     starts = [0]

@@ -6,6 +6,8 @@ thing the textbook way, one sequence at a time, growing K/V tensors by concatena
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from course_lib.model.llama import TinyLlama
@@ -16,8 +18,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0,
                 generator: torch.Generator | None = None, top_k: int | None = None) -> int:
     """One token from ``logits [vocab]``: argmax when ``temperature == 0``, else a sample from
     ``softmax(logits / temperature)`` restricted to the ``top_k`` best tokens if given."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
     if temperature == 0:
         return int(torch.argmax(logits))
     logits = logits.float() / temperature
@@ -39,6 +45,9 @@ def generate_contiguous(model: TinyLlama, prompt_ids: list[int], max_new_tokens:
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     budget = min(max_new_tokens, model.config.max_position - len(prompt_ids))

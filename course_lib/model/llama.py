@@ -159,6 +159,13 @@ class TinyLlama(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
 
     def _check_ids(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        # a negative position is not an error to RoPE (cos/sin of any angle): refuse it here
+        if positions.numel() and int(positions.min()) < 0:
+            raise ValueError(f"positions must be in 0..{self.config.max_position - 1}, got "
+                             f"{int(positions.min())}")
         if input_ids.numel() and not (0 <= int(input_ids.min())
                                       and int(input_ids.max()) < self.config.vocab_size):
             raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}, got "
@@ -183,6 +190,9 @@ class TinyLlama(nn.Module):
             raise ValueError(f"input_ids and positions must both be [num_tokens], got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         self._check_ids(input_ids, positions)
+        if attn_metadata.num_tokens != input_ids.shape[0]:
+            raise ValueError(f"attn_metadata describes {attn_metadata.num_tokens} new tokens, "
+                             f"input_ids holds {input_ids.shape[0]}")
         attn = get_attn_backend(impl, input_ids.device)
         c = self.config
         h = self.model.embed_tokens(input_ids)                      # [N, hidden]

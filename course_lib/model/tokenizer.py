@@ -7,6 +7,7 @@ token = one byte of text, roughly one character of English).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 BOS_ID = 256  # begin of a sequence (every training verse starts with it)
@@ -45,6 +46,13 @@ class ByteTokenizer:
 
     def token_str(self, i: int) -> str:
         """A printable name for one token: ``a``, ``\\n``, ``<bos>``, ``<0xe2>``."""
+        try:
+            i = operator.index(i)            # int, numpy or 0-d torch integers; not floats
+        except TypeError:
+            raise ValueError(f"token id must be an integer in 0..{VOCAB_SIZE - 1}, "
+                             f"got {i!r}") from None
+        if not 0 <= i < VOCAB_SIZE:
+            raise ValueError(f"token id must be an integer in 0..{VOCAB_SIZE - 1}, got {i!r}")
         names = {BOS_ID: "<bos>", EOS_ID: "<eos>", PAD_ID: "<pad>"}
         if i in names:
             return names[i]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from course_lib.parallel.merge import merge_partials, split_ranges
 from course_lib.parallel.rank_cache import RankKVCache
+from course_lib.sizing.units import check_int
 
 PLACEMENTS = ("contiguous", "interleaved")
 MERGES = ("all_reduce", "all_gather")
@@ -60,12 +61,13 @@ class CPCase:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size", "num_gpu_blocks",
+                     "prompt_len", "num_steps", "interleave_size"):
+            check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed, 0)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
                              f"num_kv_heads={self.num_kv_heads}")
-        for name in ("prompt_len", "num_steps", "interleave_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

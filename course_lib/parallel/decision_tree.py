@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from course_lib.parallel.deployment import DeploymentPlan, plan
 from course_lib.sizing.models import ModelSpec
-from course_lib.sizing.units import check_int
+from course_lib.sizing.units import check_int, check_nonneg
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,8 @@ def recommend(spec: ModelSpec, context_len: int, gpu_memory_gib: float,
     """
     check_int("context_len", context_len, 1)
     check_int("max_gpus", max_gpus, 1)
+    # every plan below is caught as "does not fit": a bad size must fail here, not read "no"
+    check_nonneg("gpu_memory_gib", gpu_memory_gib)
     if max_gpus & (max_gpus - 1):
         raise ValueError(f"max_gpus must be a power of two, got {max_gpus}")
     pow2 = [2 ** i for i in range(max_gpus.bit_length())]

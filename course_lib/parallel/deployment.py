@@ -20,7 +20,7 @@ from course_lib import capacity as cap
 from course_lib.sizing import blocks
 from course_lib.sizing.blocks import tokens_that_fit
 from course_lib.sizing.models import ModelSpec, get_preset
-from course_lib.sizing.units import GiB, check_int, format_bytes
+from course_lib.sizing.units import GiB, check_int, check_nonneg, format_bytes
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,10 @@ def plan(spec: ModelSpec, gpu_memory_gib: float, tensor_parallel_size: int = 1,
     came from (the summary prints it, and checks the memory anyway). ValueError (from capacity)
     when the weights do not fit or a size is invalid."""
     tp, cp = tensor_parallel_size, context_parallel_size
+    check_nonneg("gpu_memory_gib", gpu_memory_gib)
+    check_nonneg("overhead_gib", overhead_gib)
+    if weight_gib is not None:
+        check_nonneg("weight_gib", weight_gib)
     check_int("context_parallel_size", cp, 1)
     blk = cap.block_bytes(spec, block_size, tp)              # validates block_size and TP
     num_gpus = tp * cp if num_gpus is None else num_gpus

@@ -244,8 +244,12 @@ def launch(worker: Callable[..., Any], world_size: int, args: tuple = (), *,
     if backend == "auto":
         backend = pick_backend(world_size) if isinstance(world_size, int) else "gloo"
     check_world_size(world_size, backend)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if not isinstance(args, (tuple, list)):
+        raise ValueError(f"args must be a tuple of the worker's extra arguments, got "
+                         f"{type(args).__name__} {args!r}")
     if getattr(worker, "__module__", "__main__") == "__main__" or "<locals>" in getattr(
             worker, "__qualname__", "<locals>"):
         raise ValueError(f"worker {worker!r} must be a module-level function of an importable "

@@ -21,6 +21,7 @@ merge of two pieces (what split-K decode does) is ``merge_attn_states`` in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -41,12 +42,16 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"need q [heads, d], k [n, kv_heads, d], v [n, kv_heads, dv]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     num_heads, num_kv_heads = q.shape[0], k.shape[1]
-    if k.shape[:2] != v.shape[:2] or k.shape[2] != q.shape[1] or num_heads % num_kv_heads:
+    if num_kv_heads == 0 or k.shape[:2] != v.shape[:2] or k.shape[2] != q.shape[1] \
+            or num_heads % num_kv_heads:
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} (heads must be a multiple of KV heads)")
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if scale is None:
         scale = q.shape[1] ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     n = k.shape[0]
     if n == 0:
         return (torch.zeros(num_heads, v.shape[2], dtype=dtype, device=q.device),
@@ -69,6 +74,8 @@ def merge_partials(outs: torch.Tensor | Sequence[torch.Tensor],
     dv]`` and ``lse [...]``. Pieces with ``lse = -inf`` (empty) weigh 0; if every piece is
     empty the result is zeros with ``lse = -inf`` (not NaN).
     """
+    if not isinstance(outs, torch.Tensor) and not len(outs):
+        raise ValueError("merge_partials needs at least one partial result, got none")
     outs = torch.stack(list(outs)) if not isinstance(outs, torch.Tensor) else outs
     lses = torch.stack(list(lses)) if not isinstance(lses, torch.Tensor) else lses
     if outs.dim() < 2 or outs.shape[:-1] != lses.shape:

@@ -29,6 +29,7 @@ import torch
 from course_lib import capacity as cap
 from course_lib.parallel.merge import partial_attention
 from course_lib.sizing.models import ModelSpec
+from course_lib.sizing.units import check_int
 
 
 def latent_bytes_per_token(spec: ModelSpec, tensor_parallel_size: int = 1) -> int:
@@ -69,6 +70,14 @@ class MLAConfig:
     qk_rope_head_dim: int = 4     # d_rope (even: RoPE rotates pairs)
     qk_nope_head_dim: int = 8     # d_nope
     v_head_dim: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_rope_head_dim",
+                     "qk_nope_head_dim", "v_head_dim"):
+            check_int(name, getattr(self, name), 1)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs), got "
+                             f"{self.qk_rope_head_dim}")
 
     @property
     def scale(self) -> float:
@@ -179,7 +188,9 @@ class MLADemo:
 
 def demo(cfg: MLAConfig = MLAConfig(), num_tokens: int = 10, seed: int = 0,
          dtype: torch.dtype = torch.float64) -> MLADemo:
-    """A decode step of a random MLA layer, expanded and absorbed."""
+    """A decode step of a random MLA layer, expanded and absorbed: ``num_tokens`` cached
+    tokens (``>= 0``) before the new one."""
+    check_int("num_tokens", num_tokens, 0)
     w = MLAWeights.random(cfg, seed, dtype)
     g = torch.Generator().manual_seed(seed + 1)
     hidden = torch.randn(num_tokens + 1, cfg.hidden_size, generator=g,

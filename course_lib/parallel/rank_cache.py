@@ -45,9 +45,14 @@ class RankKVCache:
         """Store the K/V ``[n, num_kv_heads, head_dim]`` of tokens at ``positions`` (may be [])."""
         if not positions:
             return
-        if len(positions) != k.shape[0] or k.shape != v.shape:
+        # every check before the block manager allocates: a failed append changes nothing
+        row = tuple(self.key_cache.shape[2:])
+        if len(positions) != k.shape[0] or k.shape != v.shape or tuple(k.shape[1:]) != row:
             raise ValueError(f"{len(positions)} positions need k and v of [{len(positions)}, "
-                             f"kv_heads, d], got {tuple(k.shape)} and {tuple(v.shape)}")
+                             f"{row[0]}, {row[1]}], got {tuple(k.shape)} and {tuple(v.shape)}")
+        bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, int) or p < 0]
+        if bad:
+            raise ValueError(f"positions must be integers >= 0, got {bad}")
         old = self.num_tokens(seq_id)
         m = self.manager
         if old == 0:

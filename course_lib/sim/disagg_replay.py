@@ -112,11 +112,24 @@ class KVLink:
         return self.latency_s + num_tokens * cost.kv_bytes_per_token / self.bytes_per_s
 
 
-class SLO(NamedTuple):
-    """A request meets the SLO when its TTFT <= ``ttft_s`` and its TPOT <= ``tpot_s``."""
+@dataclass(frozen=True)
+class SLO:
+    """A request meets the SLO when its TTFT <= ``ttft_s`` and its TPOT <= ``tpot_s``.
+
+    Both are seconds, ``>= 0`` (``math.inf``: no limit). A negative or NaN bound would make
+    every request miss (NaN compares false) and goodput read 0 with no hint why, so it is
+    refused here."""
 
     ttft_s: float
     tpot_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "tpot_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not value >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0 (math.inf: no "
+                                 f"limit), got {value!r}")
 
 
 # ----------------------------------------------------------------------------- results

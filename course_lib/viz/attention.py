@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from ..sizing.units import cdiv
+from ..sizing.units import cdiv, check_int
 
 
 def draw_three_level_mapping(block_table: Sequence[int], seq_len: int, block_size: int,
@@ -19,6 +19,10 @@ def draw_three_level_mapping(block_table: Sequence[int], seq_len: int, block_siz
     ``others`` labels physical blocks held by other requests (e.g. ``{1: "Req-B"}``); the rest
     of the pool is free. Blocks of this sequence are coloured by their logical index.
     """
+    check_int("seq_len", seq_len, 1)
+    check_int("block_size", block_size, 1)
+    check_int("num_blocks", num_blocks, 1)
+    check_int("ncols", ncols, 1)
     n_logical = cdiv(seq_len, block_size)
     if n_logical > len(block_table):
         raise ValueError(f"seq_len {seq_len} needs {n_logical} blocks of {block_size}, the "
@@ -76,6 +80,10 @@ def plot_block_size_tradeoff(block_sizes: Sequence[int], waste_fraction: Sequenc
                              time_per_step: Sequence[float], backend: str,
                              waste_label: str = "") -> Figure:
     """Two panels: KV slots wasted in partially-filled last blocks, and measured kernel time."""
+    if not block_sizes or not len(block_sizes) == len(waste_fraction) == len(time_per_step):
+        raise ValueError(f"block_sizes, waste_fraction and time_per_step must be non-empty and "
+                         f"of one length, got {len(block_sizes)}, {len(waste_fraction)}, "
+                         f"{len(time_per_step)}")
     fig = Figure(figsize=(8, 2.8))
     left, right = fig.subplots(1, 2)
     labels = [str(b) for b in block_sizes]

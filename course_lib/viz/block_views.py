@@ -88,7 +88,19 @@ def pool_view(manager: BlockManager, labels: Mapping[int, str] | None = None) ->
 
 def view_from_tables(num_blocks: int, tables: Mapping[str, Sequence[int]], block_size: int = 16,
                      num_tokens: Mapping[str, int] | None = None) -> PoolView:
-    """A view from hand-written tables (a schematic figure); ref counts are table entries."""
+    """A view from hand-written tables (a schematic figure); ref counts are table entries.
+    ``num_tokens[label]`` (default: the table full) must be in ``0..len(table) * block_size``."""
+    for name, value, low in (("num_blocks", num_blocks, 0), ("block_size", block_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    for label, n in dict(num_tokens or {}).items():
+        if label not in tables:
+            raise ValueError(f"num_tokens names {label!r}, which has no table; tables: "
+                             f"{list(tables)}")
+        room = len(tables[label]) * block_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= room:
+            raise ValueError(f"num_tokens[{label!r}] must be in 0..{room} (its {len(tables[label])}"
+                             f" blocks of {block_size}), got {n!r}")
     owners: dict[int, list[str]] = {}
     for label, blocks in tables.items():
         for b in blocks:

@@ -71,6 +71,8 @@ def layout(view: PoolView, ncols: int = 8, title: str = "") -> Layout:
     """Sizes for :func:`draw_pool_and_tables`: cells ``CELL_W`` wide (narrower when ``ncols``
     would not fit ``MAX_WIDTH_IN``), tables beside the pool when that fits, else above it with
     each table wrapped to the width."""
+    if isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1:
+        raise ValueError(f"ncols must be an integer >= 1, got {ncols!r}")
     n = max(len(view.blocks), 1)
     ncols = max(1, min(ncols, n))
     cell_w = min(CELL_W, (MAX_WIDTH_IN - 2 * MARGIN) / ncols)
@@ -238,6 +240,8 @@ def draw_static_vs_paged(used: Sequence[int], reserved: int, view: PoolView,
         y = len(used) - 1 - r
         if u > reserved:
             raise ValueError(f"request {label} uses {u} tokens, more than the {reserved} reserved")
+        if u < 0:
+            raise ValueError(f"request {label} uses {u} tokens: must be in 0..{reserved}")
         ax_s.add_patch(Rectangle((0, y + 0.12), u, 0.76, facecolor="#59a14f", edgecolor="black"))
         ax_s.add_patch(Rectangle((u, y + 0.12), reserved - u, 0.76, facecolor="#f28e2b",
                                  hatch="//", alpha=0.5, edgecolor="black"))

@@ -78,6 +78,12 @@ def draw_explorer_state(state: ExplorerState) -> Figure:
     return draw_memory_budget([(f"{budget.model.name} TP={state.tensor_parallel_size}", budget)])
 
 
+BLOCK_SIZES = (8, 16, 32)
+MAX_MODEL_LENS = (2048, 4096, 8192, 32768, 131072)
+MEMORY_GIB_RANGE = (16, 192)
+UTILIZATION_RANGE = (0.5, 1.0)
+
+
 class CapacityExplorer:
     """Dropdown and sliders over ExplorerState; the picture is a widgets.Image (PNG bytes).
 
@@ -87,18 +93,37 @@ class CapacityExplorer:
 
     def __init__(self, state: ExplorerState | None = None) -> None:
         self.state = state or ExplorerState()
+        get_preset(self.state.preset)            # ValueError listing the presets
+        # a dropdown refuses a value it does not list (a TraitError naming no argument) and a
+        # slider clamps silently: each start value must be one its widget can show
+        s = self.state
+        for name, value, options in (
+                ("tensor_parallel_size", s.tensor_parallel_size, self._tp_options(s.preset)),
+                ("block_size", s.block_size, BLOCK_SIZES),
+                ("max_model_len", s.max_model_len, MAX_MODEL_LENS)):
+            if isinstance(value, bool) or value not in options:
+                raise ValueError(f"{name} must be one of {list(options)}, got {value!r}")
+        for name, value, (low, high) in (
+                ("total_gpu_memory_gib", s.total_gpu_memory_gib, MEMORY_GIB_RANGE),
+                ("gpu_memory_utilization", s.gpu_memory_utilization, UTILIZATION_RANGE)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}] (the slider's range), "
+                                 f"got {value!r}")
         self.preset = widgets.Dropdown(options=[(s.name, k) for k, s in PRESETS.items()],
                                        value=self.state.preset, description="model")
-        self.memory = widgets.IntSlider(value=int(self.state.total_gpu_memory_gib), min=16,
-                                        max=192, step=8, description="GPU GiB")
+        self.memory = widgets.IntSlider(value=int(self.state.total_gpu_memory_gib),
+                                        min=MEMORY_GIB_RANGE[0], max=MEMORY_GIB_RANGE[1],
+                                        step=8, description="GPU GiB")
         self.utilization = widgets.FloatSlider(value=self.state.gpu_memory_utilization,
-                                               min=0.5, max=1.0, step=0.01,
+                                               min=UTILIZATION_RANGE[0],
+                                               max=UTILIZATION_RANGE[1], step=0.01,
                                                description="utilization")
         self.tp = widgets.Dropdown(options=self._tp_options(self.state.preset),
                                    value=self.state.tensor_parallel_size, description="TP")
-        self.block_size = widgets.Dropdown(options=[8, 16, 32], value=self.state.block_size,
+        self.block_size = widgets.Dropdown(options=list(BLOCK_SIZES), value=self.state.block_size,
                                            description="block_size")
-        self.max_model_len = widgets.Dropdown(options=[2048, 4096, 8192, 32768, 131072],
+        self.max_model_len = widgets.Dropdown(options=list(MAX_MODEL_LENS),
                                               value=self.state.max_model_len,
                                               description="max_model_len")
         self.image = widgets.Image(format="png")

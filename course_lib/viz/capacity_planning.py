@@ -96,6 +96,11 @@ def block_size_tradeoff(lengths: Sequence[int], block_sizes: Sequence[int]) -> l
     """Internal waste vs block-table length for each block size, measured on lengths."""
     if not lengths:
         raise ValueError("lengths must hold at least one sequence length")
+    if not block_sizes:
+        raise ValueError("block_sizes must hold at least one block size")
+    if not any(lengths):
+        raise ValueError(f"lengths must hold at least one length >= 1 (no token, no block, "
+                         f"no waste ratio), got {list(lengths)}")
     rows = []
     for bs in block_sizes:
         blocks = [num_blocks_for_tokens(n, bs) for n in lengths]

@@ -20,6 +20,7 @@ from ..config import CacheConfig, SchedulerConfig
 from ..memory.v1.block_pool import BlockPool
 from ..sim.replay import ReplayResult, replay
 from ..sim.traces import sharegpt_like, with_parallel_sampling
+from ..sizing.units import check_int
 from .readable import EXPLORER_DPI, MAX_WIDTH_IN, figure_png
 
 LABELS = {"v0": "V0 (paper): CoW + swap", "v1": "V1 (vLLM today): child requests + cache"}
@@ -30,6 +31,8 @@ def compare_designs(num_requests: int = 60, n: int = 2, num_gpu_blocks: int = 60
     """One ShareGPT-like trace (``n`` samples per request) through both designs, the same
     pool and budgets; V0 preempts by swap (its default for n > 1 in vLLM V0), V1 by
     recompute (its only mode)."""
+    check_int("num_requests", num_requests, 1)
+    check_int("n", n, 1)
     trace = sharegpt_like(num_requests, seed=seed)
     if n > 1:
         trace = with_parallel_sampling(trace, n)
@@ -78,6 +81,7 @@ class DesignExplorer:
     """Sliders for the pool size and ``n``, a prefix-caching switch; both designs redrawn."""
 
     def __init__(self, num_requests: int = 40) -> None:
+        check_int("num_requests", num_requests, 1)
         self.num_requests = num_requests
         style = {"description_width": "120px"}
         self.blocks = widgets.IntSlider(600, min=200, max=2000, step=100,

@@ -208,9 +208,20 @@ class PrefixCacheSession:
     def submit(self, name: str, token_ids: Sequence[int], extra_key: Hashable = (),
                keep: bool = True, generate: Sequence[int] = ()) -> Submitted:
         """Prefill ``token_ids``, then decode ``generate`` one token at a time (a reply whose
-        full blocks become cacheable too, as in a chat's next turn)."""
+        full blocks become cacheable too, as in a chat's next turn). A request that can never
+        fit raises ``ValueError`` before any running request is finished to make room."""
         m = self.manager
+        bad = [t for t in (*token_ids, *generate)
+               if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"token ids must be integers >= 0, got {bad[:5]!r}")
+        if not token_ids:
+            raise ValueError("token_ids must hold at least 1 token, got none")
         need = len(token_ids) + len(generate)
+        if m.can_allocate(need) is AllocStatus.NEVER:
+            raise ValueError(f"{name!r}: {need} tokens need {cdiv(need, m.block_size)} blocks "
+                             f"of {m.block_size}, the pool has {m.num_gpu_blocks}: it can "
+                             "never fit (nothing was finished to make room)")
         while m.can_allocate(need) is not AllocStatus.OK and self.running:
             self.finish()
         sid = len(self.history)
@@ -283,6 +294,10 @@ class PrefixCacheExplorer:
         prompts = chat_prompts() if prompts is None else prompts
         if not prompts:
             raise ValueError("give at least one prompt: {name: (token_ids, extra_key, reply)}")
+        for name, prompt in prompts.items():
+            if not (isinstance(prompt, (tuple, list)) and len(prompt) == 3):
+                raise ValueError(f"prompt {name!r} must be a (token_ids, extra_key, reply) "
+                                 f"tuple, got {prompt!r}")
         self.prompts = dict(prompts)
         self.session = PrefixCacheSession(block_size, num_gpu_blocks)
         self.dpi = dpi

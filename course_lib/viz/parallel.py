@@ -79,6 +79,8 @@ def draw_decode_flow(cp_size: int = 4, head_dim_bytes: str = "q [H, d]") -> Figu
 
 def draw_move_q_vs_kv(spec: ModelSpec, context_lens: list[int], cp_size: int) -> Figure:
     """Bytes per layer of one decode step: query + partial results vs shipping remote KV."""
+    if not context_lens:
+        raise ValueError("context_lens must hold at least one context length")
     comms = [cap.decode_comm_bytes(spec, n, cp_size) for n in context_lens]
     fig = Figure(figsize=(7.5, 3.2))
     ax = fig.add_subplot()
@@ -103,6 +105,8 @@ def draw_move_q_vs_kv(spec: ModelSpec, context_lens: list[int], cp_size: int) ->
 def draw_plan(p: DeploymentPlan, context_len: int, label: str = "") -> Figure:
     """Tokens per GPU, longest single request and the target context, on one axis; ``label``
     starts the title. A request longer than the model's context is drawn red."""
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
+        raise ValueError(f"context_len must be an integer >= 1, got {context_len!r}")
     fig = Figure(figsize=(7.5, 2.8))
     ax = fig.add_subplot()
     labels = ["tokens per GPU", f"longest request (x CP={p.context_parallel_size})",
@@ -141,6 +145,9 @@ def _tokens(value: float, _pos: object = None) -> str:
 
 GPU_MEMORY_GIB = (24, 40, 48, 80, H200_MEMORY_GIB)   # H200: nvidia-smi's 143,771 MiB
 CONTEXT_LENS = (4_096, 32_768, 131_072, 200_000, 1_000_000, 2_000_000)
+NUM_GPUS = (1, 2, 4, 8, 16)
+CP_SIZES = (1, 2, 4, 8)
+UTIL_RANGE = (0.8, 0.95)
 
 
 class StrategyExplorer:
@@ -159,15 +166,30 @@ class StrategyExplorer:
                  num_gpus: int = 8, tp: int = 1, cp: int = 4, gpu_memory_utilization: float = 0.9,
                  context_len: int = 1_000_000) -> None:
         spec = get_preset(model)
+        # a dropdown refuses a value it does not list with a TraitError naming no argument,
+        # and a slider clamps silently: check each start value against its widget's choices
+        for name, value, options in (
+                ("gpu_memory_gib", gpu_memory_gib, GPU_MEMORY_GIB),
+                ("num_gpus", num_gpus, NUM_GPUS), ("tp", tp, self._tp_options(spec)),
+                ("cp", cp, CP_SIZES), ("context_len", context_len, CONTEXT_LENS)):
+            if isinstance(value, bool) or value not in options:
+                raise ValueError(f"{name} must be one of {list(options)}, got {value!r}")
+        if isinstance(gpu_memory_utilization, bool) \
+                or not isinstance(gpu_memory_utilization, (int, float)) \
+                or not UTIL_RANGE[0] <= gpu_memory_utilization <= UTIL_RANGE[1]:
+            raise ValueError(f"gpu_memory_utilization must be in [{UTIL_RANGE[0]}, "
+                             f"{UTIL_RANGE[1]}] (the slider's range), got "
+                             f"{gpu_memory_utilization!r}")
         self.model = widgets.Dropdown(options=[(s.name, k) for k, s in PRESETS.items()],
                                       value=model.lower(), description="model")
         self.memory = widgets.Dropdown(options=[(gib(g), g) for g in GPU_MEMORY_GIB],
                                        value=gpu_memory_gib, description="GPU GiB")
-        self.gpus = widgets.Dropdown(options=(1, 2, 4, 8, 16), value=num_gpus,
+        self.gpus = widgets.Dropdown(options=NUM_GPUS, value=num_gpus,
                                      description="GPUs")
         self.tp = widgets.Dropdown(options=self._tp_options(spec), value=tp, description="TP")
-        self.cp = widgets.Dropdown(options=(1, 2, 4, 8), value=cp, description="CP")
-        self.util = widgets.FloatSlider(value=gpu_memory_utilization, min=0.8, max=0.95,
+        self.cp = widgets.Dropdown(options=CP_SIZES, value=cp, description="CP")
+        self.util = widgets.FloatSlider(value=gpu_memory_utilization, min=UTIL_RANGE[0],
+                                        max=UTIL_RANGE[1],
                                         step=0.05, description="utilization")
         self.context = widgets.Dropdown(options=CONTEXT_LENS, value=context_len,
                                         description="request")

@@ -7,11 +7,15 @@ from matplotlib.patches import Rectangle
 
 from course_lib.kernels.smoke import num_programs
 
+MAX_LANES = 256            # a box and a label per lane: more is unreadable (and slow)
+
 
 def draw_programs(n: int, block_size: int) -> Figure:
     """One row of lanes: coloured by the program that owns them, hatched where masked off."""
-    if n < 1 or block_size < 1:
-        raise ValueError(f"n and block_size must be >= 1, got n={n}, block_size={block_size}")
+    for name, value in (("n", n), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LANES:
+            raise ValueError(f"{name} must be an integer in [1, {MAX_LANES}] (one box per lane "
+                             f"is drawn), got {value!r}")
     programs = num_programs(n, block_size)
     lanes = programs * block_size
     fig = Figure(figsize=(max(4.0, 0.35 * lanes), 1.4))

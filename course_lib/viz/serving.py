@@ -47,6 +47,9 @@ class TableHistory:
 def draw_table_growth(history: TableHistory, block_size: int, max_rows: int = 24) -> Figure:
     """One panel per request: rows = steps (every k-th step if there are many), cells =
     logical blocks labelled with their physical block; the last row shows the final table."""
+    for name, value in (("block_size", block_size), ("max_rows", max_rows)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     rids = history.request_ids()
     fig = Figure(figsize=(3.2 * max(1, len(rids)), 4.2))
     axes = fig.subplots(1, max(1, len(rids)), squeeze=False)[0]
