@@ -214,7 +214,7 @@ def test_the_deployments_refuse_a_bad_trace_or_cost_model_before_running(run):
     t = TraceRequest(0, 0.0, (1, 2, 3), 4)
     with pytest.raises(ValueError, match="trace item 1: request_id 0 is already used"):
         run([t, t])
-    with pytest.raises(ValueError, match="cost_model must be None or a CostModel, got dict"):
+    with pytest.raises(ValueError, match="cost_model must be None or a CostModel .*got dict"):
         run([t], cost_model={})
     with pytest.raises(ValueError, match="max_events must be an int >= 1, got 0"):
         run([t], max_events=0)

@@ -74,7 +74,7 @@ from ..sequence import Sequence as Seq
 from ..sizing.blocks import num_blocks_for_tokens
 from ..sizing.models import ModelSpec, get_preset
 from .fake_sampler import fake_samples
-from .replay import CostModel, _mean, _p99, check_cost_model
+from .replay import CostModel, _mean, _p99
 from .traces import TraceRequest, check_trace, random_like
 
 #: one 400 Gb/s RDMA NIC (InfiniBand NDR or RoCE), the link a P/D pair of nodes commonly has,
@@ -508,7 +508,8 @@ def replay_colocated(trace: Sequence[TraceRequest], num_gpus: int,
     trace = check_trace(trace)
     engines = [_Engine(i, "colocated", SchedulerV1(scheduler_config, cache_config))
                for i in range(num_gpus)]
-    loop = _Loop(engines, check_cost_model(cost_model), KVLink(), check_invariants, max_events)
+    cost = config_or_default(cost_model, CostModel, "cost_model")
+    loop = _Loop(engines, cost, KVLink(), check_invariants, max_events)
     loop.run(trace)
     return _result(f"colocated x{num_gpus}", loop, trace)
 
@@ -528,7 +529,7 @@ def replay_disaggregated(trace: Sequence[TraceRequest], num_prefill: int, num_de
     _check_count("num_decode", num_decode)
     _check_count("max_events", max_events)
     trace = check_trace(trace)
-    cost = check_cost_model(cost_model)
+    cost = config_or_default(cost_model, CostModel, "cost_model")
     if link is not None and not isinstance(link, KVLink):
         raise ValueError(f"link must be None or a KVLink, got {type(link).__name__} "
                          f"{link!r:.60}")

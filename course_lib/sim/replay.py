@@ -17,7 +17,7 @@ from typing import NamedTuple
 from tqdm.auto import tqdm
 
 from ..capacity import kv_bytes_per_token
-from ..config import CacheConfig, SchedulerConfig
+from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..scheduler.metrics import Metrics
 from ..scheduler.output import SchedulerOutput
 from ..scheduler.policy import VictimPolicy, last_arrived_first
@@ -87,16 +87,6 @@ class CostModel:
         swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         return (self.step_base_s + out.num_batched_tokens * self.s_per_token
                 + context * self.s_per_context_token + self.swap_time(swapped, block_size))
-
-
-def check_cost_model(cost_model: object) -> CostModel:
-    """``cost_model``, or the default :class:`CostModel` for None, or ``ValueError``."""
-    if cost_model is None:
-        return CostModel()
-    if not isinstance(cost_model, CostModel):
-        raise ValueError(f"cost_model must be None or a CostModel, got "
-                         f"{type(cost_model).__name__} {cost_model!r:.60}")
-    return cost_model
 
 
 class PreemptionCost(NamedTuple):
@@ -246,7 +236,7 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
     the first step (e.g. to serve ``/metrics`` while the replay runs). ``check_invariants``
     checks the scheduler and the block manager after every call (slow; for tests).
     """
-    cost = check_cost_model(cost_model)
+    cost = config_or_default(cost_model, CostModel, "cost_model")
     if design not in ("v0", "v1"):
         raise ValueError(f"design must be 'v0' or 'v1', got {design!r}")
     check_int("max_steps", max_steps, 1)
