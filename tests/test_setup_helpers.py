@@ -77,5 +77,5 @@ def test_draw_programs_draws_every_lane_and_masks_the_tail():
     assert len(ax.patches) == 12  # 3 programs x 4 lanes
     assert sum(p.get_hatch() == "//" for p in ax.patches) == 2
     assert ax.get_title() == "n=10, block_size=4: 3 programs, 2 lanes masked off"
-    with pytest.raises(ValueError, match="block_size must be >= 1"):
+    with pytest.raises(ValueError, match=r"block_size must be an integer in \[1, 256\]"):
         draw_programs(10, 0)
