@@ -325,10 +325,14 @@ class Checkpoint:
     def saved(self, obj: object, name: str) -> Any:
         """Field ``name`` of ``obj`` as it was when first touched (``KeyError``: never
         touched); a saved container comes back as a copy of its items at that time."""
+        return _copy(self._saved_field(obj, name))
+
+    def _saved_field(self, obj: object, name: str) -> Any:
+        """What was saved of field ``name`` of ``obj`` (``KeyError``: never touched)."""
         fields = self._fields[id(obj)][1]
         if type(fields) is tuple:
             fields = dict(zip(_layout(type(obj)).slots, fields, strict=True))
-        return _copy(fields[name])
+        return fields[name]
 
     def saved_view(self, obj: object, name: str) -> Any:
         """Field ``name`` of ``obj`` as it was when first touched, without a copy (``KeyError``:
@@ -336,10 +340,7 @@ class Checkpoint:
         container as the checkpoint's own copy of its items (read it, never change it: the
         rollback puts it back), anything else as it is. For a reader of the step's start
         that needs a few items, where :meth:`saved` would copy the whole container."""
-        fields = self._fields[id(obj)][1]
-        if type(fields) is tuple:
-            fields = dict(zip(_layout(type(obj)).slots, fields, strict=True))
-        value = fields[name]
+        value = self._saved_field(obj, name)
         if type(value) is _Appended:
             return value.view()
         if type(value) is _Saved and not value.nested:

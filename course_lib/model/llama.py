@@ -162,16 +162,21 @@ class TinyLlama(nn.Module):
         for name, t in (("input_ids", input_ids), ("positions", positions)):
             if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
                 raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
-        # a negative position is not an error to RoPE (cos/sin of any angle): refuse it here
-        if positions.numel() and int(positions.min()) < 0:
-            raise ValueError(f"positions must be in 0..{self.config.max_position - 1}, got "
-                             f"{int(positions.min())}")
-        if input_ids.numel() and not (0 <= int(input_ids.min())
-                                      and int(input_ids.max()) < self.config.vocab_size):
+        if not input_ids.numel():
+            return
+        # one host copy for the four bounds (each int() of a GPU tensor is a sync of its own)
+        id_lo, id_hi, pos_lo, pos_hi = torch.stack(
+            [t.long() for t in (input_ids.min(), input_ids.max(), positions.min(),
+                                positions.max())]).tolist()
+        if not (0 <= id_lo and id_hi < self.config.vocab_size):
             raise ValueError(f"token ids must be in 0..{self.config.vocab_size - 1}, got "
-                             f"{int(input_ids.min())}..{int(input_ids.max())}")
-        if positions.numel() and int(positions.max()) >= self.config.max_position:
-            raise ValueError(f"position {int(positions.max())} is past the model's context "
+                             f"{id_lo}..{id_hi}")
+        # a negative position is not an error to RoPE (cos/sin of any angle): refused here too
+        if pos_lo < 0:
+            raise ValueError(f"positions must be in 0..{self.config.max_position - 1}, got "
+                             f"{pos_lo}")
+        if pos_hi >= self.config.max_position:
+            raise ValueError(f"position {pos_hi} is past the model's context "
                              f"(valid: 0..{self.config.max_position - 1})")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
