@@ -29,12 +29,6 @@ calls are also replayed on the plain ``BlockManager`` and its figure printed bes
 manager (called as its scheduler calls it, no scheduler), and the cost per unit of work of the
 scheduler's path with pools of 1k to 1M blocks: both should be flat.
 
-**The step's checkpoint** (``--step-checkpoint``): V0's decode cost per token at those
-lengths inside the engine's step transaction (its checkpoint of the manager, begun and
-committed every step, and the blocks at its start read as ``LLMEngine._protect`` reads
-them), the pool the same at every length: flat when the checkpoint saves what a step
-touches, not the sequences' whole lists, the pools or the prefix cache.
-
 **Baseline.** ``--baseline REV`` extracts ``course_lib`` of git revision REV, records REV's own
 scheduler on the same trace, checks that both versions leave the same block tables, free
 blocks and hits after every step, and replays both in interleaved rounds (fresh processes),
@@ -43,7 +37,6 @@ printing the median ratio and its spread.
     python bench/block_manager.py                       # this tree, its peers, scaling
     python bench/block_manager.py --baseline HEAD~3     # ratio against a revision (V0)
     python bench/block_manager.py --quick               # small trace, for a smoke test
-    python bench/block_manager.py --step-checkpoint --baseline HEAD   # V0 + the checkpoint
 """
 
 from __future__ import annotations
@@ -186,7 +179,8 @@ def _digest(bm) -> tuple:
             lru = getattr(getattr(bm, "cache", None), "_evictor", {})
         evictable = iter(lru)
         order = (tuple(pool._free[-64:]), tuple(next(evictable, None) for _ in range(64)))
-    return tables, bm.num_free_gpu_blocks, tuple(bm.prefix_cache_stats), order
+    stats = bm.prefix_cache_stats                  # queries and hits, in any revision
+    return tables, bm.num_free_gpu_blocks, (stats.queries, stats.hits), order
 
 
 def record(design: str, num_requests: int, blocks: int, caching: bool,
@@ -380,47 +374,6 @@ def decode_cost(design: str, length: int, num_seqs: int = 32, tokens: int = 256)
     return spent / (tokens * num_seqs) * 1e6
 
 
-def decode_step_cost(length: int, caching: bool, num_seqs: int = 32, tokens: int = 64,
-                     max_length: int = 8192) -> float:
-    """Microseconds of CPU per decode token of V0's twin inside the engine's step
-    transaction: each step (one token for each of ``num_seqs`` sequences of ``length``
-    tokens) begins the step's checkpoint of the manager (``engine/rollback.begin_manager``),
-    reads the blocks at its start (``blocks_before``, as ``LLMEngine._protect`` does each
-    step), decodes as ``decode_cost`` does, and commits. The pool is the same at every length
-    (sized for ``max_length``), so that only the sequences' length changes: the checkpoint's
-    cost per token must not grow with it."""
-    import random
-
-    from course_lib.checkpoint import Checkpoint
-    from course_lib.engine.rollback import begin_manager, blocks_before
-
-    rng = random.Random(length)
-    bs = 16
-    m = _manager(("FastBlockManager", num_seqs * ((max_length + tokens) // bs + 2) + 64,
-                  caching))
-    seqs = {i: [rng.randrange(32000) for _ in range(length)] for i in range(num_seqs)}
-    new = {i: [rng.randrange(32000) for _ in range(tokens)] for i in seqs}
-    for i, toks in seqs.items():                          # prefill, untimed
-        m.allocate(i, toks)
-        m.mark_blocks_as_computed(i, len(toks))
-    gc.collect()
-    gc.freeze()
-    t0 = time.process_time()
-    for k in range(tokens):
-        ckpt = Checkpoint()
-        begin_manager(ckpt, m)
-        blocks_before(ckpt, m)
-        for i in seqs:
-            m.append_decode([i], [new[i][k]])
-            computed = length + k + 1
-            if computed % bs == 0:
-                m.mark_blocks_as_computed(i, computed)
-        ckpt.commit()
-    spent = time.process_time() - t0
-    gc.unfreeze()
-    return spent / (tokens * num_seqs) * 1e6
-
-
 def worker(argv: list[str]) -> None:
     root, cmd = argv[0], argv[1]
     sys.path.insert(0, root)
@@ -455,40 +408,9 @@ def worker(argv: list[str]) -> None:
         print(json.dumps({k: rec[k] for k in ("work", "steps", "calls")}))
     elif cmd == "decode":
         print(json.dumps({"us": decode_cost(argv[2], int(argv[3]), int(argv[4]))}))
-    elif cmd == "decode-step":
-        print(json.dumps({"us": decode_step_cost(int(argv[2]), argv[3] == "1", int(argv[4]))}))
 
 
 # ------------------------------------------------------------------------- driver side
-def step_checkpoint_sweep(baseline: str | None, rounds: int, quick: bool) -> None:
-    """V0's decode with the step's checkpoint (``decode_step_cost``) at 128, 1,024 and 8,192
-    tokens, caching on and off, for this tree (and ``baseline``), interleaved rounds in fresh
-    processes, the least of each."""
-    num_seqs, lengths = ("4" if quick else "32"), (128, 1024, 8192)
-    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() \
-        else "?"
-    print(f"V0 decode inside the step's checkpoint (begin_manager + blocks_before + "
-          f"append_decode + commit), {num_seqs} sequences, 64 tokens each, pool sized for "
-          f"8,192 at every length; us per token, the least of {rounds} interleaved rounds; "
-          f"load {load}")
-    with tempfile.TemporaryDirectory() as tmp_name:
-        roots = {"this tree": ROOT}
-        if baseline:
-            roots = {baseline: extract(baseline, Path(tmp_name) / "base"), **roots}
-        for caching in (False, True):
-            runs: dict[str, list[list[float]]] = {label: [] for label in roots}
-            for _ in range(rounds):
-                for label, root in roots.items():
-                    runs[label].append([run_worker(root, "decode-step", str(length),
-                                                   "1" if caching else "0", num_seqs)["us"]
-                                        for length in lengths])
-            for label, rs in runs.items():
-                us = {length: min(r[i] for r in rs) for i, length in enumerate(lengths)}
-                print(f"  caching {'on ' if caching else 'off'} {label:>10} "
-                      + "  ".join(f"{k:>5}: {v:6.2f}" for k, v in us.items())
-                      + f"  (8192 / 128: x{us[8192] / us[128]:.2f})")
-
-
 def run_worker(root: Path, *args: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--worker", str(root), *args],
                          capture_output=True, text=True)
@@ -606,16 +528,10 @@ def main() -> None:
                         help="these designs only (repeatable)")
     parser.add_argument("--no-sweeps", action="store_true", help="the headline only")
     parser.add_argument("--sweeps-only", action="store_true", help="the scaling sweeps only")
-    parser.add_argument("--step-checkpoint", action="store_true",
-                        help="only V0's decode inside the step's checkpoint, by sequence "
-                             "length (with --baseline: beside that revision)")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
-        return
-    if args.step_checkpoint:
-        step_checkpoint_sweep(args.baseline, 2 if args.quick else args.rounds, args.quick)
         return
     n, rounds = (150, 2) if args.quick else (args.requests, args.rounds)
     blocks = 4096

@@ -1,59 +1,53 @@
-"""Chaos soak: the engine under faults and bad input in each design (V0 recompute, V0 swap,
-V1 with its hash prefix cache, V1 with SGLang's radix tree), beside clean runs of the same
-work (printed, never asserted).
+"""Chaos: the engine under faults and bad input in each design (V0 recompute, V0 swap, V1
+with its hash prefix cache, V1 with SGLang's radix tree, V1 with the CPU offload tier, the P/D
+connector's prefill and decode engines in one process), beside clean runs of the same work
+(printed, never asserted).
 
-The faults come from ``bench/fault_sites.py``: every method a step runs through is a fault
-site (the managers, pools, prefix caches and radix tree, both schedulers, the output
-processing, the engine's step, the runner and its kernels, the sampler, the metrics, the
-requests), found by walking the classes, never listed by hand; a fault is one-shot, the k-th
-call of a site during a step raising once. Per design:
+A failed step is recovered by recompute (``course_lib/engine/recovery.py``): the request to
+blame, if any, fails alone; every other request goes back to what it had when the step began
+and is computed again, the KV bookkeeping rebuilt empty. The faults come from
+``bench/fault_sites.py``: every method a step runs through is a fault site (the managers,
+pools, prefix caches and radix tree, both schedulers, the output processing, the engine's
+step, the recovery, the runner and its kernels, the sampler, the metrics, the requests, the
+KV connectors), found by walking the modules, never listed by hand; a fault is one-shot, the
+k-th call of a site during a step raising once. Per design:
 
 * **the site sweep**: one fault per run at each site the design's steps reach, beside the
   clean run of ``fault_sites.workload`` (shared prefixes, n > 1, beams on V0, preemption):
-  the failed step must be undone (``StepFailed``, retried) or blame one request alone, and
-  the others must produce the clean run's tokens and logprobs. ``--quick``: each site's first
-  call; by default also its middle call; ``--exhaustive``: several calls of each site, every
-  run to its end, and each site a failed step's handling calls (rollback, diagnosis, blame)
-  faulted after a first fault (second faults: printed apart, a double fault is not promised
-  to be undone). In every mode also: one request whose sampling always fails, and one fault
-  at each site that finishing it alone calls (its blocks, the engine's maps, its output).
-* **the soak**: random requests (greedy, seeded n > 1, beams on V0) arriving a few per step
-  through a pool with prefix caching (and swap space on V0 swap), with one-shot faults at
-  random (site, call) pairs, "poisoned" requests whose sampling always fails (each must end
-  alone as an error) and bad input between the steps (NaN temperature, a float token id, a
-  string seed, a token past the vocabulary, an empty prompt, a duplicate request id: each
-  refused with a ``ValueError``, queueing nothing).
+  every request not blamed must give the clean run's tokens (logprobs within 1e-4), every
+  recovery must leave the requests as they were when the step began and the KV bookkeeping
+  empty, with nothing of the old scheduler kept; invariants after every step; no leak, no
+  wedged run. Default: each site's first and middle call; ``--quick``: one site of each kind
+  per design, its first call; ``--exhaustive``: several calls of every site.
+* **second faults**: a first fault (a forward that fails once; a request whose sampling
+  always fails), then one more fault at each site that handling it calls (the blame, the
+  recovery, the new scheduler and manager being built, the connector's reset, the metrics),
+  at its first call after the first fault (``--quick``: three of them per design).
+* **the soak**: random requests (greedy, seeded n > 1, beams on V0; one sample each on the P/D
+  pair) arriving a few per step through a pool with prefix caching (and swap space on V0
+  swap), with one-shot faults at random (site, call) pairs, "poisoned" requests whose sampling
+  always fails (each must end alone as an error) and bad input between the steps (NaN
+  temperature, a float token id, a string seed, a token past the vocabulary, an empty prompt,
+  a duplicate request id: each refused with a ``ValueError``, queueing nothing).
 
-Printed per design: the sites reached, faults injected per site kind, steps rolled back,
-requests compared with the clean run, mismatches, invariant breaks, leaked blocks and wedged
-runs (all four must be 0), other breaks of the all-or-nothing step (a failed step that
-changed something, an exception other than ``StepFailed``, counters or metrics that differ
-at the end), then every failing (site, call).
+Printed per design: the sites (enumerated, reached by its steps, reached only while a
+failure is handled), faults fired per site kind, recoveries (``StepFailed`` raised, requests
+blamed), requests compared with the clean run, mismatches, the runs broken by each check,
+tokens recomputed (``course:recomputed_tokens_total``, beside the harness's own count), time
+to recover (median / max ms), then every failing (site, call).
 
-A separate section then throws a bounded burst at ``/metrics`` (``serve_metrics`` on
-127.0.0.1, the metrics of a model-free replay): 2,000 scrapes from 32 threads of another
-process (as a Prometheus server scrapes: not sharing the server's interpreter lock) while a slow
-client trickles header bytes, printing p50/p99 latency (target: p99 under 100 ms) and whether
-the slow client blocked the others (:func:`metrics_section`); then 500 scrapes while a
-model-free replay steps in the served process (:func:`metrics_while_stepping_section`).
-
-    python bench/chaos.py               # first and middle calls, soaks of 300 requests
-    python bench/chaos.py --quick       # first calls, soaks of 24 requests (under a minute)
-    python bench/chaos.py --exhaustive  # several calls of every site, to the end (long)
-    python bench/chaos.py --metrics-only  # only the /metrics bursts (about half a minute)
+    python bench/chaos.py               # first and middle calls, every second fault, soaks
+                                        # of 300 requests
+    python bench/chaos.py --quick       # a sample, soaks of 24 requests (about a minute)
+    python bench/chaos.py --exhaustive  # several calls of every site (long)
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import http.client
 import math
-import multiprocessing
 import random
-import socket
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -76,16 +70,19 @@ BAD_INPUTS = [
     ("duplicate request id", lambda e: e.add_request("x", request_id=next(iter(e._requests)))),
 ]
 SOAK_ENGINE = dict(num_gpu_blocks=48, budget=128, max_num_seqs=32, num_cpu_blocks=96)
-MISMATCH = (fs.WRONG_TOKENS, fs.WRONG_LOGPROBS, fs.OUTPUT_DIFFERS, fs.LOST, fs.DUPLICATE)
-COUNTED = (*MISMATCH, fs.INVARIANT, fs.LEAKED, fs.WEDGED)
+# the runs broken by each check, in this order
+CHECKS = (fs.WRONG_TOKENS, fs.WRONG_LOGPROBS, fs.WRONG_OUTPUT, fs.LOST, fs.DUPLICATE,
+          fs.NOT_RESTORED, fs.NOT_QUEUED, fs.NOT_EMPTY, fs.KEPT_STATE, fs.INVARIANT,
+          fs.LEAKED, fs.MAPS, fs.WEDGED, fs.RAISED, fs.COUNTERS, fs.BLAME, fs.NOT_FIRED)
 
 
 def make_workload(num_requests: int, seed: int, design: str) -> list[fs.Arrival]:
     """Random prompts (bytes, some behind a shared 8- or 24-token system prompt), greedy,
-    seeded n = 2-3 or beams of 2-3 (V1: seeded n = 2 instead), about 1.5 arriving per step;
-    the same draws for every design."""
+    seeded n = 2-3 or beams of 2-3 (V1: seeded n = 2 instead; the P/D pair: one sample),
+    about 1.5 arriving per step; the same draws for every design."""
     rng = random.Random(seed)
     shared = [rng.randrange(1, 256) for _ in range(24)]       # a system prompt some reuse
+    v0, pair = fs.DESIGNS[design]["design"] == "v0", fs.is_pair(design)
     work, step = [], 0
     for i in range(num_requests):
         own = [rng.randrange(1, 256) for _ in range(rng.randint(3, 30))]
@@ -94,11 +91,13 @@ def make_workload(num_requests: int, seed: int, design: str) -> list[fs.Arrival]
         if kind < 0.5:
             params = SamplingParams(max_tokens=tokens, temperature=0.0)
         elif kind < 0.8:
-            params = SamplingParams(max_tokens=tokens, n=width, temperature=0.8, seed=i)
-        elif fs.DESIGNS[design]["design"] == "v0":
+            params = SamplingParams(max_tokens=tokens, n=1 if pair else width,
+                                    temperature=0.8, seed=i)
+        elif v0:
             params = SamplingParams(max_tokens=min(tokens, 12), beam_width=width)
         else:                                   # the V1 core runs no beams
-            params = SamplingParams(max_tokens=min(tokens, 12), n=2, temperature=0.8, seed=i)
+            params = SamplingParams(max_tokens=min(tokens, 12), n=1 if pair else 2,
+                                    temperature=0.8, seed=i)
         work.append(fs.Arrival(step, prompt, params))
         step += rng.choice((0, 0, 1, 1, 2))
     return work
@@ -106,14 +105,13 @@ def make_workload(num_requests: int, seed: int, design: str) -> list[fs.Arrival]
 
 def soak(model, design: str, num_requests: int, seed: int, sites: list[fs.Site]) -> dict:
     """The clean run of the random workload (every site's calls counted), then the faulty
-    one: one-shot faults at random reached sites, one armed at a time (at a random later
-    call of its site, within about two steps' worth of calls, once the last one has fired:
-    no double fault), poisoned requests, bad input every 7th step; compared with
-    :func:`fault_sites.compare`."""
+    one: one-shot faults at random reached sites, one armed at a time (at a random later call
+    of its site, within about two steps' worth of calls, once the last one has fired),
+    poisoned requests, bad input every 7th step; compared with :func:`fault_sites.compare`."""
     work = make_workload(num_requests, seed, design)
     t0 = time.perf_counter()
-    clean = fs.run(model, design, work, injector=fs.Injector(sites), check_steps=False,
-                   max_steps=20 * num_requests + 100, engine_kwargs=SOAK_ENGINE)
+    clean = fs.run(model, design, work, injector=fs.Injector(sites),
+                   max_steps=40 * num_requests + 200, engine_kwargs=SOAK_ENGINE)
     rng = random.Random(seed + 1)
     reached = [s for s in sites if clean.calls[s.key]]
     queue = [rng.choice(reached) for _ in range(max(8, clean.steps // 4))]
@@ -127,7 +125,7 @@ def soak(model, design: str, num_requests: int, seed: int, sites: list[fs.Site])
             injector.plan.add((site.key, injector.calls[site.key]
                                + rng.randint(1, 2 * per_step)))
 
-    def poison(entry, logits, base_seed):
+    def poison(entry, logits, *args):
         if entry.request.request_id in poisoned:
             raise FloatingPointError("poisoned request")
 
@@ -149,7 +147,7 @@ def soak(model, design: str, num_requests: int, seed: int, sites: list[fs.Site])
 
     injector.hooks["sampler.sample"] = poison
     faulty = fs.run(model, design, work, injector=injector, between=between,
-                    max_steps=2 * clean.steps + 100, engine_kwargs=SOAK_ENGINE)
+                    max_steps=3 * clean.steps + 200, engine_kwargs=SOAK_ENGINE)
     fs.compare(clean, faulty, expected_blamed=poisoned)
     if accepted:
         faulty.problems.append(("bad input accepted", ", ".join(accepted)))
@@ -159,250 +157,109 @@ def soak(model, design: str, num_requests: int, seed: int, sites: list[fs.Site])
 
 def by_kind(labels, kinds: dict[str, str]) -> str:
     count = Counter(kinds[label] for label in labels)
-    return ", ".join(f"{k} {count[k]}" for k in fs.KINDS)
+    return ", ".join(f"{k} {count[k]}" for k in fs.KINDS if count[k])
 
 
-def breaks(runs: list[fs.FaultRun | fs.RunResult]) -> tuple[Counter, Counter]:
-    """(runs with each counted kind of break, runs with each other kind)."""
-    counted, other = Counter(), Counter()
-    for r in runs:
-        for cat in {c for c, _ in r.problems}:
-            (counted if cat in COUNTED else other)[cat] += 1
-    return counted, other
+def broken(runs) -> str:
+    """Runs broken by each check (only those that broke some)."""
+    count = Counter(c for r in runs for c in {c for c, _ in r.problems})
+    return ", ".join(f"{c} {count[c]}" for c in (*CHECKS, *sorted(set(count) - set(CHECKS)))
+                     if count[c]) or "none"
 
 
-def print_sweep(design: str, rep: dict, sites: list[fs.Site], kinds: dict, label: str) -> None:
-    runs, calls, path = rep["runs"], rep["calls"], rep["failure path"]
-    reached = sum(1 for s in sites if calls[s.key])
-    only = sum(1 for s in path if not calls[s])
-    print(f"sites: {len(sites)} enumerated; {reached} reached by its steps, {only} more "
-          f"only by a failed one ({len(path)} called when a step fails), "
-          f"{len(rep['not reached'])} never")
+def print_runs(title: str, runs: list[fs.FaultRun], clean: fs.RunResult, kinds: dict) -> None:
+    fig = fs.recovery_figures(runs)
     fired = [f[0] for r in runs for f in r.result.fired]
-    compared = sum(len(rep["clean"].outputs) - len(r.result.blamed) for r in runs)
-    counted, other = breaks(runs)
-    print(f"site sweep ({label}): {len(runs)} runs, {rep['seconds']:.1f} s; faults injected: "
-          f"{len(fired)} ({by_kind(fired, kinds)})")
-    print(f"  steps rolled back: {sum(r.result.rolled_back for r in runs)}, requests blamed: "
-          f"{sum(len(r.result.blamed) for r in runs)}, requests compared: {compared}, "
-          f"mismatches: {sum(counted[c] for c in MISMATCH)}, invariant breaks: "
-          f"{counted[fs.INVARIANT]}, leaked blocks: {counted[fs.LEAKED]}, "
-          f"wedged runs: {counted[fs.WEDGED]}, other breaks: {sum(1 for r in runs if r.problems)}"
-          f" runs ({', '.join(f'{c} {n}' for c, n in sorted(other.items())) or 'none'})")
-    if rep["blame"]:
-        bad = [r for r in rep["blame"] if r.problems]
-        print(f"  faults while a failed request is finished (one poisoned request, then one "
-              f"fault at each site finishing it calls): {len(rep['blame'])} runs, {len(bad)} "
-              f"broke the step")
-    if rep["second order"]:
-        bad = [r for r in rep["second order"] if r.problems]
-        print(f"  second faults (a site a failed step's handling calls, after a first fault): "
-              f"{len(rep['second order'])} runs, {len(bad)} broke the step")
+    compared = sum(len(clean.outputs) - len(r.result.blamed) for r in runs)
+    mismatches = sum(1 for r in runs for c, _ in r.problems if c in fs.MISMATCHES)
+    print(f"{title}: {len(runs)} runs; faults fired: {fig['fired']} ({by_kind(fired, kinds)})")
+    print(f"  recoveries: {fig['recoveries']} ({fig['step failed']} StepFailed, "
+          f"{fig['blamed']} requests blamed); requests compared: {compared}, mismatches: "
+          f"{mismatches}; recomputed tokens: {fig['recomputed']} (counted by the harness: "
+          f"{fig['counted']}); time to recover: median {fig['median ms']:.2f} ms, max "
+          f"{fig['max ms']:.2f} ms")
+    print(f"  broken runs: {sum(1 for r in runs if r.problems)} ({broken(runs)})")
 
 
 def print_soak(got: dict, kinds: dict) -> None:
     clean, faulty = got["clean"], got["faulty"]
     fired = [f[0] for f in faulty.fired]
     reasons = Counter(o.finish_reason for o in faulty.outputs.values())
-    counted, other = breaks([faulty])
-    print(f"soak: {len(clean.outputs)} requests, {len(got['poisoned'])} poisoned, "
-          f"{got['seconds']:.1f} s; faults injected: {len(fired)} ({by_kind(fired, kinds)})")
-    print(f"  steps: {faulty.steps} ({clean.steps} in the clean run), rolled back and "
-          f"retried: {faulty.rolled_back}; bad inputs refused: {sum(got['refused'].values())} "
-          f"({', '.join(f'{k} {v}' for k, v in sorted(got['refused'].items()))})")
     hit = set(faulty.blamed)
+    ms = sorted(faulty.recovery_ms)
+    print(f"soak: {len(clean.outputs)} requests, {len(got['poisoned'])} poisoned, "
+          f"{got['seconds']:.1f} s; faults fired: {len(fired)} ({by_kind(fired, kinds)})")
+    print(f"  steps: {faulty.steps} ({clean.steps} in the clean run); recoveries: "
+          f"{faulty.recoveries} ({faulty.step_failed} StepFailed); recomputed tokens: "
+          f"{int(faulty.metric_recomputed)} (counted: {faulty.recomputed_tokens}); time to "
+          f"recover: median {ms[len(ms) // 2] if ms else 0:.2f} ms, max "
+          f"{ms[-1] if ms else 0:.2f} ms; bad inputs refused: {sum(got['refused'].values())}")
     print(f"  requests finished: {len(faulty.outputs)} of {len(clean.outputs)} "
-          f"({', '.join(f'{k} {v}' for k, v in sorted(reasons.items()))}); poisoned ended as "
-          f"errors: {len(got['poisoned'] & hit)} of {len(got['poisoned'])}; requests "
-          f"compared: {len(faulty.outputs) - len(hit)}, mismatches: "
-          f"{sum(counted[c] for c in MISMATCH)}, invariant breaks: {counted[fs.INVARIANT]}, "
-          f"wedged: {'yes' if counted[fs.WEDGED] else 'no'}")
-    leaked = faulty.leaked if faulty.final is not None else "n/a (the run stopped early)"
-    print(f"  blocks leaked: {leaked} (clean run: {clean.leaked}); other breaks: "
-          f"{', '.join(sorted(other)) or 'none'}")
-
-
-# ------------------------------------------------------- /metrics under a burst of scrapers
-def _trickle(port: int, period_s: float, stop: threading.Event, max_s: float = 12.0) -> float:
-    """A slow client: sends a request line, then a header one byte per ``period_s`` until
-    ``stop``, ``max_s`` or the server cuts it off; returns how long it held its connection."""
-    t0 = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        try:
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
-            while not stop.wait(period_s) and time.perf_counter() - t0 < max_s:
-                sock.sendall(b"a")
-        except OSError:                     # cut off at the server's per-connection deadline
-            pass
-    return time.perf_counter() - t0
-
-
-def _scrape_ms(port: int, timeout_s: float = 30.0) -> float:
-    """One scrape of /metrics, connect to last byte, in ms (raises if not a 200)."""
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request("GET", "/metrics")
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200 or b"vllm:num_requests_running" not in body:
-            raise RuntimeError(f"scrape answered {resp.status}")
-    finally:
-        conn.close()
-    return 1e3 * (time.perf_counter() - t0)
-
-
-def scrape_burst(port: int, scrapes: int = 2000, threads: int = 32,
-                 slow_period_s: float = 0.05) -> dict:
-    """``scrapes`` scrapes of http://127.0.0.1:``port``/metrics from ``threads`` threads (a
-    bounded burst), while a slow client trickles header bytes: latencies in ms, and one probe
-    scrape timed while only the slow client is connected (did it block the others?)."""
-    stop = threading.Event()
-    slow = concurrent.futures.ThreadPoolExecutor(1).submit(_trickle, port, slow_period_s, stop)
-    time.sleep(0.2)                                      # the slow client is connected
-    try:
-        probe_ms = _scrape_ms(port, timeout_s=5.0)
-    except OSError:                                      # blocked behind the slow client
-        probe_ms = math.inf
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        futures = [pool.submit(_scrape_ms, port) for _ in range(scrapes)]
-    wall_s = time.perf_counter() - t0
-    stop.set()
-    ms = sorted(f.result() for f in futures if f.exception() is None)
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    return {"scrapes": scrapes, "threads": threads, "ok": len(ms), "errors": len(errors),
-            "first_error": repr(errors[0]) if errors else None, "wall_s": wall_s,
-            "p50_ms": ms[len(ms) // 2] if ms else math.nan,
-            "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else math.nan,
-            "max_ms": ms[-1] if ms else math.nan, "probe_ms": probe_ms,
-            "slow_held_s": slow.result(timeout=60)}
-
-
-def metrics_section(scrapes: int = 2000, threads: int = 32) -> dict:
-    """Serve the metrics of a model-free replay (200 ShareGPT-like requests: every histogram
-    filled) with ``serve_metrics`` and throw :func:`scrape_burst` at it; prints the figures."""
-    from course_lib.scheduler.metrics import serve_metrics
-    from course_lib.sim.replay import replay
-    from course_lib.sim.traces import sharegpt_like
-
-    metrics = replay(sharegpt_like(200, seed=0), with_metrics=True).metrics
-    server, port = serve_metrics(metrics)
-    try:
-        got = _burst_from_another_process(port, scrapes, threads)
-    finally:
-        server.shutdown()
-        server.server_close()
-    verdict = "met" if got["p99_ms"] < 100 and not got["errors"] else "MISSED"
-    print(f"/metrics burst: {got['ok']} of {scrapes} scrapes from {threads} threads of another "
-          f"process in "
-          f"{got['wall_s']:.1f} s: p50 {got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms, max "
-          f"{got['max_ms']:.1f} ms, errors {got['errors']} (target p99 < 100 ms: {verdict})")
-    blocked = "did not block" if got["probe_ms"] < 1000 else "BLOCKED (5 s timeout)"
-    print(f"/metrics slow client (a header byte every 50 ms, held its connection "
-          f"{got['slow_held_s']:.1f} s) {blocked} the others: a scrape beside it took "
-          f"{got['probe_ms']:.1f} ms")
-    return got
-
-
-def _burst_from_another_process(port: int, scrapes: int, threads: int) -> dict:
-    """:func:`scrape_burst` run in a process of its own, as a Prometheus server is: its
-    threads do not share the served process's interpreter lock."""
-    with concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn")) as scrapers:
-        return scrapers.submit(scrape_burst, port, scrapes, threads).result()
-
-
-def metrics_while_stepping_section(scrapes: int = 500, threads: int = 32,
-                                   num_requests: int = 1000) -> dict:
-    """The same burst (fewer scrapes) while a model-free replay (``num_requests``
-    ShareGPT-like requests) steps in the served process, as ``python -m course_lib
-    serve-metrics --model-free`` serves it: the steps are pure Python, so the scrapes'
-    threads share the interpreter lock with them, and the metrics change every step (the
-    body is rendered again). Prints the figures and how many steps ran during the burst."""
-    from course_lib.scheduler.metrics import serve_metrics
-    from course_lib.sim.replay import replay
-    from course_lib.sim.traces import sharegpt_like
-
-    served: list = []
-    up, done = threading.Event(), threading.Event()
-
-    def serve(metrics) -> None:
-        served.extend([metrics, *serve_metrics(metrics)])
-        up.set()
-
-    def run() -> None:
-        try:
-            replay(sharegpt_like(num_requests, seed=0), on_metrics=serve)
-        finally:
-            done.set()
-            up.set()
-
-    threading.Thread(target=run, name="replay", daemon=True).start()
-    up.wait()
-    metrics, server, port = served
-    try:
-        v0 = metrics.version
-        got = _burst_from_another_process(port, scrapes, threads)
-        changes, overlapped = metrics.version - v0, not done.is_set()
-    finally:
-        done.wait()
-        server.shutdown()
-        server.server_close()
-    print(f"/metrics burst while a replay steps: {got['ok']} of {scrapes} scrapes from "
-          f"{threads} threads of another process in {got['wall_s']:.1f} s: p50 "
-          f"{got['p50_ms']:.1f} ms, p99 {got['p99_ms']:.1f} ms, max {got['max_ms']:.1f} ms, "
-          f"errors {got['errors']}; {changes} metric changes (3 a step) during the burst"
-          f"{'' if overlapped else ' (the replay ended before the burst did)'}")
-    return got
+          f"({', '.join(f'{k} {v}' for k, v in sorted(reasons.items(), key=str))}); "
+          f"poisoned ended as errors: {len(got['poisoned'] & hit)} of {len(got['poisoned'])}; "
+          f"requests compared: {len(faulty.outputs) - len(hit)}, mismatches: "
+          f"{sum(1 for c, _ in faulty.problems if c in fs.MISMATCHES)}; broken: "
+          f"{broken([faulty]) if faulty.problems else 'no'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="first calls only, soaks of 24 requests")
+                        help="a site of each kind, three second faults, soaks of 24 requests")
     parser.add_argument("--exhaustive", action="store_true",
-                        help="several calls of every site, each run to its end, second faults")
-    parser.add_argument("--metrics-only", action="store_true",
-                        help="only the /metrics bursts (idle, then while a replay steps)")
+                        help="several calls of every site")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--design", action="append", choices=list(fs.DESIGNS),
-                        help="one design (repeatable; default: all four)")
+                        help="one design (repeatable; default: all six)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.metrics_only:
-        metrics_section()
-        metrics_while_stepping_section()
-        return
     n = 24 if args.quick else 300
     model = load_tiny_model()
     sites = fs.enumerate_sites()
     kinds = {s.key: s.kind for s in sites}
-    if args.quick:
-        label, ks = "first call", (lambda site, calls, design: [1] if calls else [])
-    elif args.exhaustive:
-        label, ks = "several calls, each run to its end", \
-            (lambda site, calls, design: fs.pick_ks(calls, exhaustive=True))
-    else:
-        label, ks = "first and middle call", None
     print(f"machine: {describe()}; one thread")
-    print(f"{len(sites)} fault sites ({by_kind([s.key for s in sites], kinds)}); soak: "
-          f"{n} random requests per design, pool of 48 blocks of 4 (+ 96 CPU blocks to swap "
-          f"to), prefix caching")
-    t0, failing = time.perf_counter(), []
+    print(f"{len(sites)} fault sites ({by_kind([s.key for s in sites], kinds)}); soak: {n} "
+          f"random requests per design, pools of 48 blocks of 4 (+ 96 CPU blocks to swap to), "
+          f"prefix caching")
+    t0, failing, totals = time.perf_counter(), [], Counter()
     for design in args.design or fs.DESIGNS:
+        t1 = time.perf_counter()
         print(f"== {design} ==")
-        rep = fs.sweep(model, [design], sites=sites, ks=ks, converge=not args.exhaustive,
-                       second_order=args.exhaustive, blame=True)
-        print_sweep(design, rep[design], sites, kinds, label)
+        clean, calls = fs.reach(model, design, sites)
+        picked = {s.key for s in fs.sample_sites(sites, calls, 1, design)}
+
+        def ks(site, count, design, picked=picked):
+            if args.quick:
+                return [1] if site.key in picked else []
+            return fs.pick_ks(count, args.exhaustive)
+
+        def pick_second(path, design):        # --quick: three, spread over the path
+            return {k: path[k] for k in sorted(path)[::max(1, len(path) // 3)][:3]} \
+                if args.quick else path
+        label = "one site of each kind, first call" if args.quick else \
+            "several calls" if args.exhaustive else "first and middle call"
+        rep = fs.sweep(model, [design], sites=sites, ks=ks, pick_second=pick_second)[design]
+        on_path = {s for p in rep["paths"].values() for s in p}
+        reached = sum(1 for s in sites if calls[s.key])
+        print(f"sites: {len(sites)} enumerated; {reached} reached by its steps, "
+              f"{len(on_path - {s.key for s in sites if calls[s.key]})} more only while a "
+              f"failure is handled, {len(rep['not reached'])} never")
+        print_runs(f"site sweep ({label})", rep["runs"], clean, kinds)
+        print_runs("second faults (" + ", ".join(f"after a {first} fault: {len(p)} sites on "
+                                                 f"its path" for first, p in
+                                                 rep["paths"].items()) + ")",
+                   rep["second"], clean, kinds)
         got = soak(model, design, n, args.seed, sites)
         print_soak(got, kinds)
-        failing += [fs.describe_failure(r) for r in fs.failures(rep)]
+        failing += [fs.describe_failure(r) for r in fs.failures({design: rep})]
         failing += [f"{design}: soak: {c} ({d})" for c, d in got["faulty"].problems]
+        totals["runs"] += len(rep["runs"]) + len(rep["second"]) + 1
+        totals["broken"] += sum(1 for r in (*rep["runs"], *rep["second"]) if r.problems) \
+            + bool(got["faulty"].problems)
+        print(f"wall time: {time.perf_counter() - t1:.1f} s")
     print(f"failing: {len(failing)}" + "".join(f"\n  {f}" for f in failing))
-    print(f"wall time: {time.perf_counter() - t0:.1f} s")
-    metrics_section()
-    metrics_while_stepping_section()
+    print(f"all designs: {totals['runs']} runs, {totals['broken']} broken; wall time "
+          f"{time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

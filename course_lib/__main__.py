@@ -281,6 +281,7 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
             time.sleep(args.hold)
     finally:
         server.shutdown()
+        server.server_close()
     return 0
 
 

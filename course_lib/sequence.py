@@ -228,10 +228,6 @@ class Sequence:
     # out): vLLM 0.33.0's Request keeps ``_all_token_ids`` the same way (vllm/v1/request.py)
     _all_token_ids: list[int] = field(init=False, repr=False)
 
-    # a step only appends to these: a failed step's checkpoint saves their lengths
-    # (course_lib/checkpoint.py), not their items
-    __rollback_append_only__ = ("output_token_ids", "output_logprobs", "_all_token_ids")
-
     def __post_init__(self) -> None:
         self._all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the block-manager, checkpoint and fault tests."""
+"""Helpers shared by the block-manager tests (and the fault benches that compare states)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,9 @@ def canonical_state(tree) -> tuple:
 
 
 def v1_state(bm):
-    """A V1 or radix manager's state, read through its fields and public structures, never
-    through its own saving: every plain attribute (block objects as their ids, tree nodes as
-    their key and value: whatever fields the manager has today), then the pool or the tree."""
-    # V1 and radix: every plain attribute (block objects as their ids, tree nodes as their
-    # key and value: whatever fields the manager has today), then the pool or the tree
+    """A V1 or radix manager's state, read through its fields and public structures: every
+    plain attribute (block objects as their ids, tree nodes as their key and value: whatever
+    fields the manager has today), then the pool or the tree."""
     fields = {k: _plain(v) for k, v in vars(bm).items()
               if k not in ("tree", "pool", "block_pool", "hash_fn")}
     if hasattr(bm, "block_pool"):
@@ -54,8 +52,6 @@ def v1_state(bm):
                 [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
                 {h: sorted(bs) for h, bs in pool.cached_block_hash_to_block.items()})
     return fields, canonical_state(bm.tree)
-
-
 
 
 def _plain(value):
@@ -73,28 +69,6 @@ def _plain(value):
     if isinstance(value, int | float | str | bytes | bool | type(None)):
         return value
     return ("object", type(value).__name__)
-
-
-def checkpoint(manager):
-    """A checkpoint of everything a step may change in ``manager`` (as the engine's step
-    takes it): ``rollback()`` puts the manager back."""
-    from course_lib.checkpoint import Checkpoint
-    from course_lib.engine.rollback import begin_manager
-
-    ckpt = Checkpoint()
-    begin_manager(ckpt, manager)
-    return ckpt
-
-
-def scheduler_checkpoint(scheduler):
-    """A checkpoint of a scheduler and its KV-cache manager, begun as a step begins it."""
-    from course_lib.checkpoint import Checkpoint
-    from course_lib.engine.rollback import begin_manager
-
-    ckpt = Checkpoint()
-    scheduler.begin(ckpt)
-    begin_manager(ckpt, scheduler.block_manager)
-    return ckpt
 
 
 def pool_state(manager):

@@ -80,8 +80,6 @@ def test_slot_mapping_is_block_times_size_plus_offset():
     assert t.slot_mapping() == [0, 1, 2, 3, 8, 9]
     assert t.slot_mapping(start=5) == [9]             # one decode step: the last token
     assert [t.slot(p) for p in range(6)] == [0, 1, 2, 3, 8, 9]
-    with pytest.raises(ValueError):
-        t.slot(6)
     m.check_invariants()
 
 
@@ -133,38 +131,23 @@ def test_pool_owns_the_free_block_policy():
     assert [pool.allocate() for _ in range(3)] == [0, 3, 2] and evicted == [2]
     with pytest.raises(NoFreeBlocksError, match="no free gpu blocks"):
         pool.allocate()
-    with pytest.raises(ValueError, match="is free"):
-        BlockAllocator("gpu", 2).touch([0])           # a free block cannot gain a reference
     pool.check_invariants()
     pool._free.append(1)                              # fault: a held block on the stack
     with pytest.raises(AssertionError, match="held block is free or evictable"):
         pool.check_invariants()
-    with pytest.raises(ValueError, match="num_blocks"):
-        BlockAllocator("cpu", -1)
 
 
-def test_pool_rejects_a_double_free_and_bad_ids_changing_nothing():
-    """vLLM V0's allocator tests expect it: a block freed twice, an id out of range, a block
-    still referenced or never held are all refused (ValueError, O(1)), the pool untouched."""
+def test_free_puts_a_block_back_on_top_and_a_double_release_is_caught():
+    """``free`` (chapter 03's O(1) timing) pushes a block whose count was set to 0; releasing
+    a block nobody holds is a double free, an invariant the pool asserts."""
     a = BlockAllocator("cpu", 2)
     b = a.allocate()
-    a.ref_counts[b] -= 1
+    a.ref_counts[b] = 0
     a.free(b)
-    def state():
-        return list(a.ref_counts), a.free_block_ids(), a.evictable_block_ids()
-    before = state()
-    for bad, match in [(b, "already free"), (-1, "0..1"), (2, "0..1"), (True, "0..1"),
-                       (1, "already free")]:
-        with pytest.raises(ValueError, match=match):
-            a.free(bad)
-        assert state() == before
-    c = a.allocate()
-    with pytest.raises(ValueError, match="still has ref count 1"):
-        a.free(c)
-    with pytest.raises(ValueError, match="not held"):
-        a.release([1 - c])
-    assert sorted([c, a.allocate()]) == [0, 1]        # two blocks, never the same one twice
+    assert a.free_block_ids()[-1] == b and a.allocate() == b
     a.check_invariants()
+    with pytest.raises(AssertionError, match="not held"):
+        a.release([1 - b])
 
 
 # -------------------------------------------------------------- fork, copy-on-write
@@ -456,7 +439,6 @@ def test_swap_out_moves_shared_blocks_once_and_swap_in_restores():
     assert [m.ref_count(b, "cpu") for b in range(4)] == [3, 3, 2, 1]
     assert m.get_block_table(1) == [0, 1, 3]
     assert m.num_free_gpu_blocks == 8 and m.num_free_cpu_blocks == 4
-    rejects(m, ValueError, "cpu", m.append_slots, 0, [5])
     tokens = {s: list(m.get_table(s).token_ids) for s in (0, 1, 2)}
     back = m.swap_in([0, 1, 2])
     assert sorted(c for c, _ in back) == [0, 1, 2, 3]
@@ -508,54 +490,13 @@ def test_swap_in_part_of_a_group_keeps_the_shared_cpu_blocks():
     m.check_invariants()
 
 
-# ------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("call", ["append_slots", "free", "fork", "get_block_table"])
-def test_unknown_seq_id_names_the_id(call):
-    m = mgr()
-    m.allocate(0, toks(5))
-    args = {"append_slots": (4242, [1]), "fork": (4242, 7)}.get(call, (4242,))
-    rejects(m, ValueError, "4242", getattr(m, call), *args)
-
-
-def test_duplicate_ids_and_double_free_are_rejected():
-    m = mgr()
-    m.allocate(0, toks(5))
-    m.allocate(1, toks(5))
-    rejects(m, ValueError, "already allocated", m.allocate, 0, toks(3))
-    rejects(m, ValueError, "already allocated", m.fork, 0, 1)
-    m.free(1)
-    rejects(m, ValueError, "seq 1 has no blocks", m.free, 1)
-
-
-@pytest.mark.parametrize("bs", [0, 3, 12, 512, 16.0])
-def test_block_size_must_be_a_power_of_two(bs):
-    with pytest.raises(ValueError, match="power of two"):
-        BlockManager(block_size=bs)
-
-
-@pytest.mark.parametrize("kw", [dict(num_gpu_blocks=-1), dict(num_cpu_blocks=-1),
-                                dict(watermark=1.0),
-                                dict(enable_prefix_caching=True, prefix_caching_hash_algo="md5")])
-def test_bad_constructor_arguments(kw):
-    with pytest.raises(ValueError):
-        BlockManager(**kw)
-
-
+# ---------------------------------------------------------------- no room: refused
 def test_prompt_larger_than_the_pool_never_fits():
     m = mgr(4)
     assert m.can_allocate(4 * BS + 1) is AllocStatus.NEVER
     assert m.can_allocate(toks(4 * BS + 1)) is AllocStatus.NEVER
-    rejects(m, ValueError, "can never fit", m.allocate, 0, toks(4 * BS + 1))
-    rejects(m, ValueError, "at least 1 token", m.allocate, 0, [])
-    with pytest.raises(ValueError):
-        m.can_allocate([])
-
-
-def test_bad_counts_are_rejected():
-    m = cached()
-    m.allocate(0, toks(6))
-    rejects(m, ValueError, r"\[0, 6\]", m.mark_blocks_as_computed, 0, 7)
-    rejects(m, ValueError, ">= 0", m.can_append_slots, 0, -1)
+    assert m.can_allocate(toks(4 * BS)) is AllocStatus.OK
+    m.check_invariants()
 
 
 def test_allocate_and_append_without_room_change_nothing():
@@ -603,18 +544,6 @@ def test_salts_equal_in_python_but_of_other_types_never_share_blocks():
         assert m.allocate(len(m.seq_ids()), toks(9), extra_key=other) == 0, other
     assert m.allocate(len(m.seq_ids()), toks(9), extra_key=1) == 2 * BS   # the same salt hits
     m.check_invariants()
-
-
-def test_lookups_of_unknown_ids_and_blocks_give_clear_errors():
-    m = mgr(8)
-    m.allocate("a", toks(3))
-    m.allocate(1, toks(3))
-    with pytest.raises(ValueError, match="seq 'zz' has no blocks.*allocated seqs: \\['a', 1\\]"):
-        m.get_table("zz")                              # str and int ids: no TypeError
-    for bad in (-1, 8, True):
-        with pytest.raises(ValueError, match="gpu block ids are 0..7"):
-            m.ref_count(bad)
-    assert m.ref_count(0) == 1
 
 
 # ------------------------------------ where the V0 pair differs from vLLM V0 (design notes)
@@ -718,5 +647,3 @@ def test_append_decode_is_the_three_calls_it_replaces(bs, blocks, caching, ops):
                     m.free(s)
         assert snapshot(fused) == snapshot(plain)
         fused.check_invariants()
-    with pytest.raises(ValueError, match="one token per sequence"):
-        fused.append_decode([1, 2], [3])

@@ -250,3 +250,4 @@ def test_serve_metrics_replays_a_trace_with_progress_and_serves_metrics(model_fr
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "20/20" in err                         # the tqdm bar reached the end
+    assert "GET /metrics" not in err              # the server logs no line per scrape

@@ -197,3 +197,25 @@ def test_a_submit_of_bad_token_ids_is_refused(token_ids):
 def test_prefix_cache_explorer_checks_the_shape_of_its_prompts():
     with pytest.raises(ValueError, match=r"prompt 'a' must be a \(token_ids, extra_key, reply\)"):
         PrefixCacheExplorer(prompts={"a": "hello"})
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"block_size": 3}, "block_size must be a power of two"),
+    ({"block_size": 0}, "block_size must be a power of two"),
+    ({"num_gpu_blocks": 0}, "num_gpu_blocks must be an integer >= 1"),
+    ({"num_gpu_blocks": 2.5}, "num_gpu_blocks must be an integer >= 1"),
+    ({"hash_algo": "md5"}, "hash_algo must be one of"),
+])
+def test_the_prefix_cache_session_checks_its_sizes_at_the_door(kwargs, word):
+    """The block manager behind it trusts its caller (memory/ holds no argument checks), so
+    the widget's session refuses bad sizes itself, before building anything."""
+    with pytest.raises(ValueError, match=word):
+        PrefixCacheSession(**kwargs)
+
+
+@pytest.mark.parametrize("block_size, num_gpu_blocks, word", [
+    (6, 10, "block_size must be a power of two"), (4, 0, "num_gpu_blocks must be an integer"),
+])
+def test_a_scenario_checks_its_sizes_at_the_door(block_size, num_gpu_blocks, word):
+    with pytest.raises(ValueError, match=word):
+        Scenario(block_size, num_gpu_blocks, ())

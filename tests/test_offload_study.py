@@ -21,7 +21,7 @@ from course_lib.engine.offload_study import (
     run_workload,
     sweep,
 )
-from course_lib.engine.rollback import StepFailed
+from course_lib.engine.recovery import StepFailed
 from course_lib.model.loader import load_tiny_model
 
 torch.set_num_threads(1)

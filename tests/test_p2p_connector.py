@@ -1,11 +1,16 @@
-"""The P/D connector (``course_lib/engine/p2p_connector.py``) in one process, step by step:
-a prefill engine and a decode engine whose connectors talk through an in-process stand-in
-for ``torch.distributed`` (queues per (source, destination, tag)), driven the way
-``course_lib/parallel/disagg.py``'s processes drive them. ``tests/test_disagg.py`` runs the
-real processes; here every call the engines' steps make into the connector can be faulted,
-and a failed step must leave both engines as they were (the all-or-nothing step,
-``engine/rollback.py``): the requests then finish with the clean run's tokens, every block
-comes back, and both engines keep their invariants after every step."""
+"""The P/D connector (``course_lib/engine/p2p_connector.py``, over
+``course_lib/engine/p2p_transport.py``) in one process, step by step: a prefill engine and a
+decode engine whose transports talk through an in-process stand-in for ``torch.distributed``
+(queues per (source, destination, tag)), driven the way ``course_lib/parallel/disagg.py``'s
+processes drive them. ``tests/test_disagg.py`` runs the real processes; here every call the
+engines' steps make into the connector can be faulted, and the engine recovers by recompute
+(``engine/recovery.py``, which calls the connector's ``reset_cache``): the requests then
+finish with the clean run's tokens, every block comes back, and both engines keep their
+invariants after every step. A reset in the middle of transfers is checked on each side: on
+the decode side (a load under way, a read request not sent) the prefill side is told to free
+its blocks and the requests are computed locally; on the prefill side (a read request
+waiting, blocks held) the decode side's loads fail and it recomputes, nothing is sent from
+the rebuilt pool. A reset that forgets the release, or keeps the held blocks, is caught."""
 
 from __future__ import annotations
 
@@ -19,10 +24,10 @@ import pytest
 import torch
 
 from course_lib.config import CacheConfig
-from course_lib.engine import rollback
 from course_lib.engine.llm_engine import LLMEngine
 from course_lib.engine.p2p_connector import KVLayout, P2PConnector
-from course_lib.engine.rollback import StepFailed
+from course_lib.engine.p2p_transport import P2PTransport
+from course_lib.engine.recovery import StepFailed
 from course_lib.memory.v1.kv_cache_manager import KVCacheManager
 from course_lib.model.loader import load_tiny_model
 from course_lib.scheduler.v1 import SchedulerV1
@@ -109,7 +114,7 @@ def close_pairs():
         hub, engines = OPEN.pop()
         hub.closed = True
         for e in engines:
-            e.kv_connector.close()
+            e.kv_connector.transport.close()
 
 
 PAIR = Group(0, 1)
@@ -120,9 +125,9 @@ def make_pair(model, data_groups: bool = True) -> tuple[LLMEngine, LLMEngine]:
     the world group, as the connector does without ``data_groups``)."""
     hub = Hub()
     engines = [LLMEngine(model, None, CACHE, attn_impl="torch", design="v1",
-                         kv_connector=P2PConnector(
-                             ROLES[r], r, transport=Loopback(hub, r),
-                             data_groups={1 - r: PAIR} if data_groups else None))
+                         kv_connector=P2PConnector(ROLES[r], P2PTransport(
+                             r, comm=Loopback(hub, r),
+                             data_groups={1 - r: PAIR} if data_groups else None)))
                for r in (0, 1)]
     for r, e in enumerate(engines):     # what every rank says in the all-gather
         hub.objects[r] = (ROLES[r], KVLayout.of(e.runner.gpu_caches))
@@ -138,14 +143,14 @@ PARAMS = [SamplingParams(max_tokens=5, temperature=0.0),
           SamplingParams(max_tokens=4, temperature=0.8, seed=3)] * 2
 
 
-FAILED_STEPS: list[str] = []          # the steps undone, by drive (tests read and clear it)
+FAILED_STEPS: list[str] = []          # the steps recovered, by drive (tests read and clear it)
 
 
 def drive(model, *, max_loops: int = 4000, data_groups: bool = True
           ) -> tuple[dict[int, list[int] | str], list]:
     """The proxy and both processes' loops, interleaved in one thread: each request's prefill
     on engine 0, its decode on engine 1. Returns each request's tokens (or ``"error"``) and
-    the engines. A step that fails and is undone (``StepFailed``) is simply taken again."""
+    the engines. A step that fails and is recovered (``StepFailed``) is simply taken again."""
     prefill, decode = make_pair(model, data_groups)
     done: dict[int, list[int] | str] = {}
     for rid, (prompt, p) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
@@ -206,9 +211,10 @@ def test_two_engines_in_one_process_give_the_colocated_tokens(model):
     assert_clean(engines)
     prefill, decode = (e.kv_connector for e in engines)
     assert prefill.num_sent_blocks == decode.num_recv_blocks > 0
-    assert_layers_on_the_pair_group(prefill.transport.hub)
-    sent = sum(1 for op, *_, dim in prefill.transport.hub.log if op == "send" and dim == 5)
-    assert prefill.layer_messages == decode.layer_messages == {"pair 0-1": sent} and sent > 0
+    assert_layers_on_the_pair_group(prefill.transport.comm.hub)
+    sent = sum(1 for op, *_, dim in prefill.transport.comm.hub.log if op == "send" and dim == 5)
+    assert prefill.transport.layer_messages == decode.transport.layer_messages == \
+        {"pair 0-1": sent} and sent > 0
 
 
 def test_the_pair_group_detector_trips_on_layers_sent_on_the_world_group(model):
@@ -216,19 +222,21 @@ def test_the_pair_group_detector_trips_on_layers_sent_on_the_world_group(model):
     layers on the world group (the same tokens: only the group differs)."""
     done, engines = drive(model, data_groups=False)
     assert done == colocated(model)
-    hub = engines[0].kv_connector.transport.hub
+    hub = engines[0].kv_connector.transport.comm.hub
     with pytest.raises(AssertionError, match="None"):
         assert_layers_on_the_pair_group(hub)
-    assert set(engines[0].kv_connector.layer_messages) == {"world"}
+    assert set(engines[0].kv_connector.transport.layer_messages) == {"world"}
 
 
 def test_bad_data_paths_are_refused(model):
     with pytest.raises(ValueError, match="data_backend must be one of"):
-        P2PConnector("kv_producer", 0, data_backend="mpi")
+        P2PTransport(0, data_backend="mpi")
+    with pytest.raises(ValueError, match="transport must be a P2PTransport"):
+        P2PConnector("kv_producer", 0)
     hub = Hub()
     engines = [LLMEngine(model, None, CACHE, attn_impl="torch", design="v1",
-                         kv_connector=P2PConnector(ROLES[r], r, transport=Loopback(hub, r),
-                                                   **kw))
+                         kv_connector=P2PConnector(ROLES[r], P2PTransport(
+                             r, comm=Loopback(hub, r), **kw)))
                for r, kw in ((0, {"data_groups": {5: PAIR}}),
                              (1, {"data_backend": "nccl"}))]
     for r, e in enumerate(engines):
@@ -262,11 +270,11 @@ def fault_once(monkeypatch, cls: type, name: str, k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("cls, name", SITES, ids=[f"{c.__name__}.{n}" for c, n in SITES])
-def test_a_fault_in_any_step_call_is_undone(model, monkeypatch, cls, name):
+def test_a_fault_in_any_step_call_is_recovered(model, monkeypatch, cls, name):
     """Each call a step makes into the connector (or that the connector's reports make),
-    faulted at its first and a middle call: the step is undone, taken again, and the run ends
-    as the clean one (a fault that repeats would blame one request: ``"error"``, the others
-    unchanged)."""
+    faulted at its first and a middle call: the step is recovered by recompute (the
+    connector reset), and the run ends as the clean one (a fault that repeats would blame
+    one request: ``"error"``, the others unchanged)."""
     want = colocated(model)
     seen = fault_once(monkeypatch, cls, name, 10 ** 9)        # count the calls
     drive(model)
@@ -286,13 +294,190 @@ def test_a_fault_in_any_step_call_is_undone(model, monkeypatch, cls, name):
         assert_clean(engines)
 
 
-def test_the_detector_without_the_connector_in_the_checkpoint(model, monkeypatch):
-    """Proof that the test above can fail: with the connector left out of the step's
-    checkpoint, a fault while a load is copied in (after ``get_finished`` took it off the
-    loads under way) loses the load: its request never runs, its blocks stay held."""
-    monkeypatch.setattr(rollback, "begin_connector", lambda checkpoint, connector: None)
-    fault_once(monkeypatch, P2PConnector, "_copy_in", 1)
-    done, engines = drive(model, max_loops=1500)
+# ---------------------------------------------------------------- a reset mid-transfer
+def p2p_state(conn: P2PConnector) -> tuple:
+    """Everything the connector holds for requests and steps (the loads to start as
+    ``(seq id, remote request id, block ids)``: a release has none)."""
+    return (dict(conn._lookup), dict(conn._reqs_to_send), list(conn._reqs_to_recv),
+            list(conn._reqs_to_drop), conn._built, conn._bound, dict(conn._held),
+            list(conn._asked), set(conn._sending), list(conn._released),
+            [(s.seq_id, s.remote_request_id, s.block_ids) for s in conn._to_start],
+            set(conn._recving), set(conn._load_errors), conn.has_connector_metadata(),
+            set(conn._abandoned))
+
+
+def step(engine: LLMEngine, check: bool = True) -> list:
+    try:
+        outs = engine.step()
+    except StepFailed:
+        outs = []
+    if check:
+        engine.check_invariants()
+    return outs
+
+
+def prefill_requests(prefill: LLMEngine, rids) -> dict[int, dict]:
+    """The prefill of requests ``rids``: their ``kv_transfer_params``, once they finished."""
+    for rid in rids:
+        prefill.add_request(PROMPTS[rid], replace(PARAMS[rid], max_tokens=1), request_id=rid,
+                            kv_transfer_params={"do_remote_decode": True})
+    params: dict[int, dict] = {}
+    while len(params) < len(rids):
+        params.update((o.request_id, o.kv_transfer_params) for o in step(prefill))
+    return params
+
+
+def fault_next_call(monkeypatch, conn: P2PConnector, name: str) -> None:
+    """The next call of ``conn.name`` (this engine's alone) raises; later ones do not."""
+    real, struck = getattr(conn, name), []
+
+    def faulty(*args, **kwargs):
+        if not struck:
+            struck.append(name)
+            raise RuntimeError(f"fault injected in {name}")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(conn, name, faulty)
+
+
+def reset_twice(monkeypatch, conn: P2PConnector, reset) -> list[tuple]:
+    """The engine's recovery calls ``reset`` twice on ``conn`` (a recovery run again); the
+    connector's state after each call."""
+    states: list[tuple] = []
+
+    def twice() -> None:
+        for _ in range(2):
+            reset(conn)
+            states.append(p2p_state(conn))
+    monkeypatch.setattr(conn, "reset_cache", twice)
+    return states
+
+
+def finish(prefill: LLMEngine, decode: LLMEngine, rids: set[int], max_loops: int,
+           check: bool = True) -> dict[int, list[int]]:
+    """Both processes' loops until the decode engine answered ``rids`` and neither engine has
+    anything left to do (or ``max_loops``); the decode engine's tokens."""
+    done: dict[int, list[int]] = {}
+    for _ in range(max_loops):
+        for engine in (prefill, decode):
+            engine.kv_connector.serve_transfers()
+            if engine.has_unfinished_requests() or engine.kv_connector.busy():
+                for out in step(engine, check):
+                    if engine is decode:
+                        done[out.request_id] = out.outputs[0].token_ids
+        if set(done) >= rids and not any(e.has_unfinished_requests() or e.kv_connector.busy()
+                                         for e in (prefill, decode)):
+            break
+        time.sleep(0.0005)
+    return done
+
+
+def decode_reset_run(model, monkeypatch, reset=P2PConnector.reset_cache, max_loops=3000):
+    """The decode engine fails a step, and recovers, while request 0's load is under way (its
+    read request left) and request 1 waits for its blocks (its read request not sent)."""
+    prefill, decode = make_pair(model)
+    params = prefill_requests(prefill, (0, 1))
+    decode.add_request(PROMPTS[0], PARAMS[0], request_id=0, kv_transfer_params=params[0])
+    step(decode)                                  # request 0 waits for its blocks
+    decode.kv_connector.serve_transfers()         # its read request leaves
+    decode.add_request(PROMPTS[1], PARAMS[1], request_id=1, kv_transfer_params=params[1])
+    states = reset_twice(monkeypatch, decode.kv_connector, reset)
+    fault_next_call(monkeypatch, decode.kv_connector, "get_finished")
+    waiting = step(decode) or decode.scheduler.waiting    # request 1 planned, then the fault
+    assert len(states) == 2 and waiting                   # recovered: both wait again
+    return finish(prefill, decode, {0, 1}, max_loops), prefill, decode, params, states
+
+
+def test_a_decode_side_reset_releases_the_remote_blocks_and_recomputes(model, monkeypatch):
+    want = colocated(model)
+    done, prefill, decode, params, states = decode_reset_run(model, monkeypatch)
+    # right after the reset: nothing but the release of request 1 (decode seq 1), whose read
+    # request never left; request 0's load under way let go; both abandoned (computed here);
+    # a second reset the same
+    assert states[0] == ({}, {}, [], [], None, None, {}, [], set(), [],
+                         [(1, params[1]["remote_request_id"], [])], set(), set(), False,
+                         {0, 1})
+    assert states[1] == states[0]
+    assert done == {0: want[0], 1: want[1]}
+    conn = decode.kv_connector
+    assert conn.num_recv_blocks == 0 and conn.num_failed_recvs == 0     # computed here
+    assert_clean([prefill, decode])                  # the prefill side freed both requests
+    assert prefill.kv_connector.num_aborted == 0     # freed at once, not by the timeout
+
+
+def test_the_decode_reset_detector_trips_on_a_reset_that_forgets_the_release(model,
+                                                                             monkeypatch):
+    """Proof that the test above can fail: a reset that drops the read request not sent
+    instead of releasing it leaves the prefill side holding request 1's blocks (until its
+    abort timeout, 120 s)."""
+    def forgets(conn: P2PConnector) -> None:
+        P2PConnector.reset_cache(conn)
+        conn._to_start = []
+
+    done, prefill, decode, _, _ = decode_reset_run(model, monkeypatch, forgets, max_loops=400)
+    assert done == {r: t for r, t in colocated(model).items() if r in (0, 1)}
+    assert prefill.kv_connector.num_held_requests == 1
     with pytest.raises(AssertionError):
-        assert done == colocated(model)
-        assert_clean(engines)
+        assert_clean([prefill])
+
+
+def wait_for_read_requests(prefill: LLMEngine, n: int) -> None:
+    transport = prefill.kv_connector.transport
+    for _ in range(2000):
+        with transport._lock:
+            if len(transport._inbox) >= n:
+                return
+        time.sleep(0.005)
+    raise TimeoutError("the read request did not arrive")
+
+
+def prefill_reset_run(model, monkeypatch, reset=P2PConnector.reset_cache, check=True):
+    """The prefill engine holds both requests' blocks; request 0's read request has arrived,
+    unanswered, request 1's is still to come; the prefill engine fails a step and recovers."""
+    prefill, decode = make_pair(model)
+    params = prefill_requests(prefill, (0, 1))
+    step(prefill)                                 # both held from this step on
+    assert prefill.kv_connector.num_held_requests == 2
+    decode.add_request(PROMPTS[0], PARAMS[0], request_id=0, kv_transfer_params=params[0])
+    step(decode)
+    decode.kv_connector.serve_transfers()
+    wait_for_read_requests(prefill, 1)
+    states = reset_twice(monkeypatch, prefill.kv_connector, reset)
+    fault_next_call(monkeypatch, prefill.kv_connector, "get_finished")
+    step(prefill, check)
+    assert len(states) == 2
+    decode.add_request(PROMPTS[1], PARAMS[1], request_id=1, kv_transfer_params=params[1])
+    return finish(prefill, decode, {0, 1}, 3000, check), prefill, decode, states
+
+
+def test_a_prefill_side_reset_fails_the_reads_and_the_decode_side_recomputes(model,
+                                                                            monkeypatch):
+    want = colocated(model)
+    done, prefill, decode, states = prefill_reset_run(model, monkeypatch)
+    # right after the reset: nothing held; the read request stays in the transport's inbox,
+    # to be answered; a second reset the same
+    assert states[0] == ({}, {}, [], [], None, None, {}, [], set(), [], [], set(), set(),
+                         False, set())
+    assert states[1] == states[0]
+    assert done == {0: want[0], 1: want[1]}
+    hub = prefill.kv_connector.transport.comm.hub
+    assert prefill.kv_connector.num_sent_blocks == 0 and not any(
+        op == "send" and src == 0 and dim == 5 for op, src, _, _, dim in hub.log)
+    conn = decode.kv_connector
+    assert conn.num_failed_recvs == 2 and conn.num_recv_blocks == 0   # told: gone
+    assert_clean([prefill, decode])
+
+
+def test_the_prefill_reset_detector_trips_on_a_reset_that_keeps_the_held_blocks(model,
+                                                                                monkeypatch):
+    """Proof that the test above can fail: a reset that keeps the held requests breaks the
+    prefill engine's invariants (held requests whose blocks the rebuilt pool does not keep),
+    and, unchecked, sends them from the rebuilt pool's blocks."""
+    def keeps(conn: P2PConnector) -> None:
+        held = dict(conn._held)
+        P2PConnector.reset_cache(conn)
+        conn._held = held
+
+    with pytest.raises(AssertionError, match="have no blocks kept"):
+        prefill_reset_run(model, monkeypatch, keeps)
+    _, prefill, decode, _ = prefill_reset_run(model, monkeypatch, keeps, check=False)
+    assert prefill.kv_connector.num_sent_blocks > 0 and decode.kv_connector.num_failed_recvs < 2

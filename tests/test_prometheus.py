@@ -2,8 +2,9 @@
 
 Debian's ``prometheus`` (2.42 on bookworm; ``.ci/run`` installs it) scrapes two targets every
 second, both serving the same registry of a real run (the tiny model, a pool small enough to
-preempt): the course's :func:`serve_metrics` and, as the detector's input, prometheus_client's
-own ``start_http_server``. Prometheus 2.x negotiates OpenMetrics, and prometheus_client then
+preempt): the course's :func:`serve_metrics` (prometheus_client's own WSGI app and server, with
+the ``Accept`` header removed) and, as the detector's input, prometheus_client's own
+``start_http_server``. Prometheus 2.x negotiates OpenMetrics, and prometheus_client then
 writes ``vllm_...`` on the sample lines (prometheus/client_python#1177): the queries the
 chapters teach must find the engine's values through the course's server and nothing through
 the default one.

@@ -1,8 +1,8 @@
 """SGLang's radix tree as the V1 pair's prefix cache: exact-token hits on whole blocks, locks
 instead of reference counts, eviction of unlocked leaves in LRU order, computed blocks inserted
 after the step with the duplicates freed and the table switched onto the tree's (SGLang's
-checkpoint), pages handed out in SGLang's order, all or nothing; and the V1 manager's stateful
-test run against it."""
+``RadixCache.checkpoint``), pages handed out in SGLang's order, a refused allocation changing
+nothing; and the V1 manager's stateful test run against it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
-from memory_helpers import checkpoint, pool_state, scheduler_checkpoint, tables, v1_state
+from memory_helpers import pool_state, tables, v1_state
 from test_kv_cache_manager import KVCacheManagerMachine
 
 from course_lib.config import CacheConfig, SchedulerConfig
@@ -46,12 +46,8 @@ def test_block_slot_pool_hands_out_and_takes_back_whole_blocks():
     pool = BlockSlotPool(3, BS)
     assert pool.alloc(2 * BS) == [0, 1, 2, 3, 4, 5, 6, 7]
     assert pool.alloc(2 * BS) is None and pool.num_free_blocks == 1
-    with pytest.raises(ValueError, match="multiple"):
-        pool.alloc(3)
-    with pytest.raises(ValueError, match="not one block"):
-        pool.free([0, 1, 2, 5])
     pool.free(list(range(4, 8)))
-    with pytest.raises(ValueError, match="double free"):
+    with pytest.raises(AssertionError, match="double free"):
         pool.free(list(range(4, 8)))
     assert pool.free_slots() == set(range(4, 12))
 
@@ -184,21 +180,20 @@ def test_a_decoded_block_duplicating_the_tree_is_switched_too():
     m.check_invariants()
 
 
-def test_cache_computed_checks_first_and_a_rollback_undoes_it():
+def test_cache_computed_without_a_new_full_block_or_caching_is_a_no_op():
     m = RadixKVCacheManager(BS, 8)
     admit(m, 0, toks(9))
     admit(m, 1, toks(9, 40), run=False)
-    ckpt, before = checkpoint(m), v1_state(m)
-    with pytest.raises(ValueError, match="computed tokens"):
-        m.cache_computed(1, toks(9, 40), 10)
+    before = v1_state(m)
+    m.cache_computed(1, toks(9, 40), 3)                # no full block computed yet
     assert v1_state(m) == before
     m.cache_computed(1, toks(9, 40), 9)
-    assert v1_state(m) != before
-    ckpt.rollback()                                    # the step failed after its update
-    assert v1_state(m) == before
+    assert v1_state(m) != before and m.num_cached_block[1] == 2
     m.check_invariants()
+    before = v1_state(m)
     m.cache_computed(0, toks(9), 9)                    # nothing new: a no-op
     m.cache_computed(7, toks(9), 9)                    # no blocks: a no-op
+    assert v1_state(m) == before
     off = RadixKVCacheManager(BS, 8, enable_caching=False)
     admit(off, 0, toks(9))
     assert off.tree.total_size() == 0 and off.get_block_table(0) == [0, 1, 2]
@@ -212,22 +207,12 @@ def test_allocate_slots_answers_none_when_short_and_changes_nothing():
     hits, n = m.get_computed_blocks(1, toks(9, 40))
     assert m.allocate_slots(1, toks(9, 40), 0, 9, hits, admission=True) is None
     assert (pool_state(m), tables(m)) == before
-    with pytest.raises(ValueError, match="tokens to hold"):
-        m.allocate_slots(0, toks(12), 12, 1)
-    with pytest.raises(ValueError, match="not the cached prefix"):
-        m.allocate_slots(2, toks(9), 0, 1, [3, 2])
     m.check_invariants()
 
 
-def test_rollback_and_reset_and_the_detector_trips():
+def test_reset_only_when_idle_and_the_detector_trips():
     m = RadixKVCacheManager(BS, 8)
     admit(m, 0, toks(9))
-    ckpt, before = checkpoint(m), v1_state(m)
-    admit(m, 1, toks(9))
-    m.free(0)
-    assert pool_state(m) != before[1:]
-    ckpt.rollback()
-    assert v1_state(m) == before and m.seq_ids() == [0]
     m.check_invariants()
     assert m.reset_prefix_cache() is False
     m.forget(0)
@@ -247,27 +232,20 @@ def test_only_the_v1_design_takes_the_radix_tree():
         Scheduler(SchedulerConfig(), cc)
 
 
-def test_the_v1_scheduler_switches_after_the_step_and_a_restore_undoes_it():
+def test_the_v1_scheduler_switches_after_the_step():
     """Through ``SchedulerV1.update``: two requests with one prompt run their prefill in one
-    step; the next step's block ids are the switched ones; a snapshot taken before the step
-    and restored after its update puts everything back."""
+    step; the next step's block ids are the switched ones."""
     cc = CacheConfig(block_size=BS, num_gpu_blocks=8, enable_prefix_caching=True,
                      prefix_cache="radix")
     s = SchedulerV1(SchedulerConfig(max_num_batched_tokens=64), cc)
     for i in range(2):
         s.add_request(i, toks(9), SamplingParams(max_tokens=4, temperature=0.0))
     kvm = s.kv_cache_manager
-    ckpt = scheduler_checkpoint(s)
-    before = pool_state(kvm), tables(kvm)
     out = s.schedule()
     assert [e.block_ids for e in out.scheduled] == [[0, 1, 2], [3, 4, 5]]
     s.update(out, {e.seq.seq_id: [(7, 0.0)] for e in out.scheduled})
     assert kvm.get_block_table(1) == [0, 1, 5] and kvm.pool.num_free_blocks == 4
     s.check_invariants()
-    ckpt.rollback()
-    assert (pool_state(kvm), tables(kvm)) == before
-    out = s.schedule()
-    s.update(out, {e.seq.seq_id: [(7, 0.0)] for e in out.scheduled})
     out = s.schedule()                                 # the decode step reads the tree's
     assert [e.block_ids for e in out.scheduled] == [[0, 1, 2], [0, 1, 5]]
     s.check_invariants()

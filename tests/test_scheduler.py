@@ -7,8 +7,6 @@ import math
 import re
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.scheduler.policy import longest_first
@@ -470,35 +468,6 @@ def test_a_group_preempted_by_recompute_comes_back_sharing_its_prefix(params):
     assert req.outputs() == ref.outputs() and small.finish_reason == "length"
     # while re-admitted, the samples shared the prompt's blocks (never 2 x 15 prompt blocks)
     assert max(o.num_prefill_tokens for o in outs) <= 60 + 11 + 24
-
-
-@settings(max_examples=200, deadline=None)
-@given(start=st.lists(st.integers(0, 99), max_size=8),
-       moves=st.lists(st.tuples(st.sampled_from(["pop", "push", "remove"]), st.integers(0, 99)),
-                      max_size=12))
-def test_the_waiting_queue_undoes_a_steps_moves_without_a_copy(start, moves):
-    """What a step does to a waiting queue (take the first, put one first, take one out from
-    anywhere), undone from the log: the queue is as it was; with no log open nothing is kept."""
-    from course_lib.scheduler.waiting import WaitingQueue
-
-    q = WaitingQueue(start)
-    log, done = q.begin_log(), 0
-    for move, k in moves:
-        if move == "push":
-            q.push_front(100 + k)
-        elif q and move == "pop":
-            q.pop_front()
-        elif q:
-            q.remove_at(k % len(q))
-        else:
-            continue
-        done += 1
-    assert len(log) == done
-    q.undo(log)
-    assert list(q) == start and q.log is None
-    q.push_front(7)
-    q.pop_front()
-    assert q.log is None and list(q) == start
 
 
 @pytest.mark.parametrize("field, bad", [

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from memory_helpers import scheduler_checkpoint
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.scheduler.scheduler import Scheduler
@@ -90,7 +89,7 @@ def test_a_short_pool_preempts_the_latest_by_recompute_and_the_tokens_are_unchan
     # so vllm:prefix_cache_queries counts each request's first lookup only
     kvm = s.kv_cache_manager
     assert kvm.prefix_cache_stats.queries == sum(len(r.prompt_token_ids) for r in reqs)
-    assert kvm.prefix_cache_preempted_queries > 0 and not s.preempted
+    assert kvm.prefix_cache_stats.preempted_queries > 0 and not s.preempted
 
 
 def test_the_budget_is_one_token_budget_and_chunks_are_the_normal_case():
@@ -129,17 +128,13 @@ def test_v0_and_v1_give_the_same_tokens_on_the_same_trace():
     assert results[0] == results[1]
 
 
-def test_checkpoint_rollback_and_abort():
+def test_abort_frees_every_child():
     s = make(block_size=4, num_gpu_blocks=16)
     req = s.add_request(0, list(range(1, 10)), SamplingParams(max_tokens=8, n=2))
-    s.update(out := s.schedule(), fake_samples(out))
-    ckpt = scheduler_checkpoint(s)
-    tables = [s.kv_cache_manager.get_block_table(q.seq_id) for q in req.seqs]
-    s.update(out := s.schedule(), fake_samples(out))
-    ckpt.rollback()
+    for _ in range(2):
+        s.update(out := s.schedule(), fake_samples(out))
     s.check_invariants()
-    assert [s.kv_cache_manager.get_block_table(q.seq_id) for q in req.seqs] == tables
-    assert [len(q.output_token_ids) for q in req.seqs] == [1, 1]
+    assert [len(q.output_token_ids) for q in req.seqs] == [2, 2]
     assert s.abort_request(0) and not s.abort_request(0)
     assert not s.has_unfinished_requests() and s.kv_cache_manager.num_free_gpu_blocks == 16
     assert req.finish_reason == "abort" and all(q.status == SequenceStatus.FINISHED_ABORTED

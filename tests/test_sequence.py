@@ -52,10 +52,8 @@ def test_fork_copies_outputs_not_shares_them():
 
 def test_token_ids_is_the_sequences_own_list_kept_in_step_with_its_outputs():
     """``token_ids`` is handed out without a copy (O(1) per read at any length) and grows as
-    tokens are appended; outputs changed behind its back are noticed, never served stale;
-    a failed step's rollback puts both lists back together."""
-    from course_lib.checkpoint import Checkpoint
-
+    tokens are appended; outputs changed behind its back are noticed, never served stale,
+    including outputs cut back (a recovery's ``restore``, ``engine/recovery.py``)."""
     seq = Sequence(0, (1, 2, 3))
     tokens = seq.token_ids
     assert seq.token_ids is tokens                   # no copy per read
@@ -65,10 +63,8 @@ def test_token_ids_is_the_sequences_own_list_kept_in_step_with_its_outputs():
     assert seq.token_ids == [1, 2, 3, 7, 8]
     seq.output_token_ids[-1] = 9                     # replaced directly: noticed (last token)
     assert seq.token_ids == [1, 2, 3, 7, 9]
-    step = Checkpoint()
-    step.touch(seq)
     seq.append_output_token_ids(4)
-    step.rollback()
+    del seq.output_token_ids[2:]                     # cut back to what was committed
     assert seq.output_token_ids == [7, 9] and seq.token_ids == [1, 2, 3, 7, 9]
     seq.append_output_token_ids(5)
     assert seq.token_ids == [1, 2, 3, 7, 9, 5] and len(seq) == 6

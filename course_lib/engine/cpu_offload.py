@@ -25,20 +25,18 @@ memory) a second tier holds copies of full prefix blocks in CPU memory:
   ``WAITING_FOR_REMOTE_KVS`` for a step while its blocks load, and ``get_finished`` reports
   it (the course still copies within that step: the path, not the overlap, is what is shown).
 
-All or nothing: the connector's per-step fields and the pool's counters are saved by the step's
-checkpoint when it begins (:meth:`CPUOffloadConnector.rollback_parts`); the pool saves the
-blocks and entries a step changes itself, as it changes them (:meth:`CPUBlockPool.attach`:
-O(what the step touches), not O(tier)); the GPU blocks loads overwrite are among the
-step's blocks at risk (:meth:`CPUOffloadMetadata.gpu_blocks_written`), and the CPU blocks a
-store overwrites that held another prefix are copied first, their undo registered with the
-checkpoint (:meth:`CPUOffloadConnector.start_load_kv`).
+After a failed step the engine's recovery empties the tier
+(:meth:`CPUOffloadConnector.reset_cache`): a store the step planned may not have been copied,
+so the map could name a CPU block that holds another prefix; an empty tier is always right,
+and costs only the recomputation of what it held (vLLM 0.33.0 empties it the same way:
+``CPUOffloadingManager.reset_cache`` in ``vllm/v1/kv_offload/cpu/manager.py``).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +45,6 @@ from ..scheduler.output import KVConnectorMetadata
 from .kv_connector import KVConnectorBase_V1, KVConnectorRole
 
 if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
     from ..memory.v1.kv_cache_manager import KVCacheManager
     from ..model.attention import AttentionMetadata
     from ..model.llama import KVCache
@@ -72,177 +69,74 @@ def num_offload_blocks(kv_offloading_size: float, block_bytes: int) -> int:
     return num
 
 
-@dataclass(slots=True, eq=False)
-class CPUBlock:
-    """One held block of the CPU tier: its id, the hash it holds and its neighbours in the
-    tier's LRU list (vLLM 0.33.0's ``ChunkStatus`` in ``vllm/v1/kv_offload/cpu/policies/base.py``
-    holds the id; the links are the course's, see :class:`CPUBlockPool`). Created when a free
-    block is first stored into; an evicted block's object is reused for the hash stored in
-    its place."""
-
-    block_id: int
-    block_hash: bytes
-    prev_block: CPUBlock | None = None
-    next_block: CPUBlock | None = None
-
-    def __repr__(self) -> str:
-        h = self.block_hash
-        return f"CPUBlock({self.block_id}, hash={h[:3].hex() if isinstance(h, bytes) else h!r})"
-
-
 class CPUBlockPool:
     """The CPU tier's blocks: which block holds which hash, least recently used first
     (vLLM 0.33.0's ``CPUOffloadingManager`` in ``vllm/v1/kv_offload/cpu/manager.py`` with its
     default policy, ``LRUCachePolicy`` in ``vllm/v1/kv_offload/cpu/policies/lru.py``, reduced
     to one medium).
 
-    * ``hash_to_block``: hash -> its :class:`CPUBlock` (vLLM's ``LRUCachePolicy.chunks``, key
-      -> ``ChunkStatus``); its order means nothing.
-    * The LRU order is a doubly linked list through the blocks' ``prev_block`` /
-      ``next_block``, between two sentinels (``fake_lru_head.next_block`` is the least
-      recently used), as V1's GPU pool links its free blocks
-      (:class:`~course_lib.memory.v1.block_pool.FreeKVCacheBlockQueue`): a hit or a store
-      moves a block to the back, an eviction takes the first one not pinned: O(1) each (an
-      eviction passes over at most the step's pinned blocks).
+    * ``hash_to_block``: hash -> CPU block id, an ``OrderedDict`` kept in LRU order: a hit or
+      a store moves the hash to the end (``move_to_end``, O(1)), an eviction takes the first
+      one not pinned (O(1), passing over at most the step's pinned blocks).
     * ``free_blocks``: the ids holding nothing, popped from the end (block 0 first). A block
-      never returns to it: a full tier reuses its least recently used block in place.
+      never returns to it: a full tier reuses its least recently used block in place; only
+      :meth:`reset` frees them all.
 
-    **Why not an OrderedDict, and what differs from vLLM.** An ``OrderedDict`` moves a key to
-    the end in O(1), but cannot put it back where it was: undoing a step's hits would mean
-    copying the whole map when the step begins, O(tier) per step, for a tier of 10^4 to 10^6
-    blocks. vLLM has no step rollback; its ``LRUCachePolicy`` (0.33.0) keeps recency as ranks
-    in a lazily invalidated min-heap (``_ranks``, ``_heap``, ``_evictable``: a request's blocks
-    share one rank, so a request's tail is evicted before its head; pinning is a ref count on
-    ``ChunkStatus``, set by ``prepare_load`` and cleared by ``complete_load``), and
-    ``CPUOffloadingManager`` hands out fresh chunks by a counter before its free list. The
-    course keeps plain LRU order (a hit or a store is the most recent use; pinned = this
-    step's loads and stores, passed in) in a structure whose every change is undone in O(1):
-    while an engine step runs (:meth:`attach`), the pool hands the step's checkpoint each
-    block before its fields first change (``Checkpoint.touch``: a tuple of four slots), and
-    registers the undo of each map insert or delete and each pop of the free list
-    (``Checkpoint.on_rollback``); the pool's own fields (``num_evictions``) are saved when the
-    step begins (:meth:`CPUOffloadConnector.rollback_parts`). A step thus saves what it
-    touches, as the GPU pool does (``BlockPool.attach``); outside a step (the chapters, the
-    exercises) nothing is saved."""
-
-    #: never copied by a step's checkpoint: the hash map and the free list (each change is
-    #: logged), the blocks (each saved before it changes), the checkpoint itself
-    __rollback_skip__ = ("hash_to_block", "free_blocks", "checkpoint")
+    **What differs from vLLM.** Its ``LRUCachePolicy`` keeps recency as ranks in a lazily
+    invalidated min-heap (``_ranks``, ``_heap``, ``_evictable``): a request's blocks share one
+    rank, so a request's tail is evicted before its head; pinning is a ref count on
+    ``ChunkStatus`` (``vllm/v1/kv_offload/cpu/policies/base.py``), set by ``prepare_load`` and
+    cleared by ``complete_load``; ``CPUOffloadingManager`` hands out fresh chunks by a counter
+    before its free list. The course keeps the plain LRU order (a hit or a store is the most
+    recent use; pinned = this step's loads and stores, passed in), which one ``OrderedDict``
+    holds (vLLM's other policy, ``ARCCachePolicy`` in ``policies/arc.py``, keeps its lists in
+    ``OrderedDict`` objects too)."""
 
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"the CPU tier needs an int >= 1 of blocks, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self.hash_to_block: dict[bytes, CPUBlock] = {}
+        self.hash_to_block: OrderedDict[bytes, int] = OrderedDict()     # LRU first
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() -> 0 first
-        self.fake_lru_head = CPUBlock(-1, b"")
-        self.fake_lru_tail = CPUBlock(-1, b"")
-        self.fake_lru_head.next_block, self.fake_lru_tail.prev_block = \
-            self.fake_lru_tail, self.fake_lru_head
         self.num_evictions = 0
-        self.checkpoint: Checkpoint | None = None
-
-    def attach(self, checkpoint: Checkpoint) -> None:
-        """Save what the pool changes into ``checkpoint`` from now until it closes."""
-        self.checkpoint = checkpoint
-
-    def _in_step(self) -> bool:
-        return self.checkpoint is not None and not self.checkpoint.closed
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.hash_to_block
 
     def lookup(self, block_hash: bytes) -> int | None:
-        block = self.hash_to_block.get(block_hash)
-        return None if block is None else block.block_id
+        return self.hash_to_block.get(block_hash)
 
     def lru_hashes(self) -> list[bytes]:
         """The held hashes, least recently used first (the eviction order; O(tier))."""
-        out, block = [], self.fake_lru_head.next_block
-        while block is not self.fake_lru_tail:
-            out.append(block.block_hash)
-            block = block.next_block
-        return out
+        return list(self.hash_to_block)
 
     def touch(self, block_hash: bytes) -> None:
         """A hit: the most recently used now."""
-        block = self.hash_to_block[block_hash]
-        if block.next_block is not self.fake_lru_tail:
-            self._unlink(block)
-            self._append(block)
+        self.hash_to_block.move_to_end(block_hash)
 
     def allocate(self, block_hash: bytes, pinned: set[int]) -> tuple[int, bytes | None] | None:
         """A block for ``block_hash`` (not already held): a free one, else the least recently
         used one not in ``pinned`` (evicted). Returns (block, the hash it held or None), or
         None when every block is pinned (nothing changes)."""
-        # each undo is registered before its change, and does nothing if the change did not
-        # happen (a fault between the two): the rollback puts back exactly what changed
-        in_step = self._in_step()
         if self.free_blocks:
-            block_id = self.free_blocks[-1]
-            if in_step:
-                self.checkpoint.on_rollback(partial(self._unpop_free, block_id,
-                                                    len(self.free_blocks)))
-            self.free_blocks.pop()
-            block, evicted = CPUBlock(block_id, block_hash), None   # new: nothing to save
+            block_id, evicted = self.free_blocks.pop(), None
         else:
-            block = self.fake_lru_head.next_block
-            while block is not self.fake_lru_tail and block.block_id in pinned:
-                block = block.next_block
-            if block is self.fake_lru_tail:
+            evicted = next((h for h, b in self.hash_to_block.items() if b not in pinned), None)
+            if evicted is None:
                 return None
-            evicted = block.block_hash
-            if in_step:
-                self.checkpoint.on_rollback(
-                    partial(self.hash_to_block.__setitem__, evicted, block))
-            self._unlink(block)                                      # saves it
-            del self.hash_to_block[evicted]
-            block.block_hash = block_hash
+            block_id = self.hash_to_block.pop(evicted)
             self.num_evictions += 1
-        if in_step:
-            self.checkpoint.on_rollback(partial(self.hash_to_block.pop, block_hash, None))
-        self.hash_to_block[block_hash] = block
-        self._append(block)
-        return block.block_id, evicted
+        self.hash_to_block[block_hash] = block_id
+        return block_id, evicted
 
-    def _unpop_free(self, block_id: int, length: int) -> None:
-        """Undo a pop of ``block_id`` from a free list of ``length`` blocks, if it happened."""
-        if len(self.free_blocks) == length - 1:
-            self.free_blocks.append(block_id)
-
-    def _unlink(self, block: CPUBlock) -> None:
-        prev, nxt = block.prev_block, block.next_block
-        if self._in_step():
-            self.checkpoint.touch(prev, block, nxt)
-        prev.next_block, nxt.prev_block = nxt, prev
-        block.prev_block = block.next_block = None
-
-    def _append(self, block: CPUBlock) -> None:
-        """Link ``block`` (unlinked: saved by :meth:`_unlink`, or new) at the most recently
-        used end."""
-        tail = self.fake_lru_tail
-        last = tail.prev_block
-        if self._in_step():
-            self.checkpoint.touch(last, tail)
-        last.next_block, block.prev_block = block, last
-        block.next_block, tail.prev_block = tail, block
+    def reset(self) -> None:
+        """Empty the tier: every block free, no hash held (``num_evictions`` keeps its
+        total)."""
+        self.hash_to_block.clear()
+        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
 
     def check_invariants(self) -> None:
-        head, tail = self.fake_lru_head, self.fake_lru_tail
-        assert head.prev_block is None and tail.next_block is None, "a sentinel has an outer link"
-        listed, block = [], head
-        while block.next_block is not tail:
-            nxt = block.next_block
-            assert nxt is not None and nxt.prev_block is block, \
-                f"the LRU list's links disagree after {block!r}"
-            assert len(listed) < self.num_blocks, "the LRU list is longer than the tier (a cycle)"
-            listed.append(nxt)
-            block = nxt
-        assert tail.prev_block is block, "the LRU list's last block is not the tail's"
-        assert len(listed) == len(self.hash_to_block) and all(
-            self.hash_to_block.get(b.block_hash) is b for b in listed), \
-            "the LRU list and the hash map hold different blocks"
-        held = [b.block_id for b in listed]
+        held = list(self.hash_to_block.values())
         assert sorted(held + self.free_blocks) == list(range(self.num_blocks)), \
             "CPU blocks held + free != all (or one is held twice)"
 
@@ -254,18 +148,12 @@ class CPUOffloadMetadata(KVConnectorMetadata):
     loads: list[tuple[int, int]] = field(default_factory=list)     # (cpu block, gpu block)
     async_seq_ids: list[int] = field(default_factory=list)         # loads reported as done
     stores: list[tuple[int, int]] = field(default_factory=list)    # (gpu block, cpu block)
-    cpu_blocks_overwritten: list[int] = field(default_factory=list)  # held a prefix before
-
-    def gpu_blocks_written(self) -> list[int]:
-        return [gpu for _, gpu in self.loads]
 
 
 class CPUOffloadConnector(KVConnectorBase_V1):
     """The CPU offload tier (module docstring). ``num_cpu_blocks``: the tier's size (or
     :meth:`from_kv_offloading_size`); needs V1's hash prefix cache (its block hashes are the
     tier's keys)."""
-
-    __rollback_skip__ = KVConnectorBase_V1.__rollback_skip__ + ("cpu_caches",)
 
     def __init__(self, num_cpu_blocks: int, *, load_async: bool = False) -> None:
         super().__init__(KVConnectorRole.SCHEDULER)
@@ -316,17 +204,6 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self.cpu_caches = [tuple(torch.zeros((n, *c.shape[1:]), dtype=c.dtype, device="cpu")
                                  for c in layer) for layer in kv_caches]
 
-    def rollback_parts(self) -> list[object]:
-        """The connector (its per-step fields) and its pool's own fields, saved when the step
-        begins; the pool's hash map, free list and blocks are not copied, the pool saves what
-        it changes in them (:meth:`attach`)."""
-        return [self, self.cpu_pool]
-
-    def attach(self, checkpoint: Checkpoint) -> None:
-        """The step's checkpoint, for the connector's undos and the pool's lazy saving."""
-        super().attach(checkpoint)
-        self.cpu_pool.attach(checkpoint)
-
     # ------------------------------------------------------------ scheduler side
     def _hashes(self, seq: Sequence) -> list:
         return self.kv_cache_manager.req_to_block_hashes.get(seq.seq_id, [])
@@ -372,7 +249,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         from or stores into); resets the per-step state."""
         bs, pool = self.block_size, self.cpu_pool
         pinned = {cpu for cpu, _ in self._loads}
-        stores, overwritten, seen = [], [], set()
+        stores, seen = [], set()
         for e in scheduler_output.scheduled:
             ctx = e.seq.num_computed_tokens                 # before update() advances it
             hashes = self._hashes(e.seq)
@@ -387,33 +264,17 @@ class CPUOffloadConnector(KVConnectorBase_V1):
                 got = pool.allocate(h, pinned)
                 if got is None:                             # the tier is all pinned
                     continue
-                cpu, evicted = got
+                cpu = got[0]
                 pinned.add(cpu)
-                if evicted is not None:
-                    overwritten.append(cpu)
                 stores.append((e.block_ids[i], cpu))
         self.num_stored_blocks += len(stores)
-        meta = CPUOffloadMetadata(self._loads, self._async_seq_ids, stores, overwritten)
+        meta = CPUOffloadMetadata(self._loads, self._async_seq_ids, stores)
         self._loads, self._async_seq_ids, self._lookup = [], [], {}
         return meta
 
     # --------------------------------------------------------------- worker side
     def start_load_kv(self, **kwargs: Any) -> None:
-        """Before the forward: copy the CPU blocks this step's stores overwrite that held
-        another prefix, and register their undo with the step's checkpoint (the pool's map is
-        put back by the checkpoint; their contents must follow). The loads themselves run per
-        layer (:meth:`wait_for_layer_load`)."""
-        meta = self._get_connector_metadata()
-        if not meta.cpu_blocks_overwritten or not self._in_step():
-            return
-        idx = torch.tensor(meta.cpu_blocks_overwritten, dtype=torch.int64)
-        saved = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.cpu_caches]
-
-        def put_back() -> None:
-            for (k, v), (ks, vs) in zip(self.cpu_caches, saved, strict=True):
-                k.index_copy_(0, idx, ks)
-                v.index_copy_(0, idx, vs)
-        self.checkpoint.on_rollback(put_back)
+        """Nothing before the forward: the loads run per layer (:meth:`wait_for_layer_load`)."""
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Copy this step's loads of ``layer`` into the GPU cache (synchronous)."""
@@ -450,6 +311,18 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         """Nothing is ever sent late (saves are synchronous); the loads of ``load_async``."""
         recving, self._finished_recving = self._finished_recving, set()
         return None, recving or None
+
+    # ------------------------------------------------------------------ recovery
+    def reset_cache(self) -> None:
+        """After a failed step (the contract:
+        :meth:`~course_lib.scheduler.kv_connector.KVConnectorScheduler.reset_cache`): the tier
+        emptied (module docstring: a store the step planned may not have been copied), the
+        loads planned or done but not reported forgotten (their requests are recomputed), the
+        metadata unbound. The hit and store counters keep their totals."""
+        super().reset_cache()
+        self.cpu_pool.reset()
+        self._lookup, self._loads, self._async_seq_ids = {}, [], []
+        self._finished_recving = set()
 
     def check_invariants(self) -> None:
         self.cpu_pool.check_invariants()

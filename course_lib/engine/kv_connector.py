@@ -47,12 +47,13 @@ What the course changes, and why:
   ``wait_for_layer_load`` before the forward and every ``save_kv_layer`` after it: the same
   contract (a layer's loads land before its attention reads, its saves read what its
   attention wrote), without the overlap of transfers with compute.
-* **All or nothing.** A connector's bookkeeping is part of the engine step's transaction
-  (``engine/rollback.py``): :meth:`~KVConnectorBase_V1.rollback_parts` lists the objects a
-  step may change (saved when it begins), and :meth:`~KVConnectorBase_V1.attach` hands the
-  connector the step's checkpoint, for what it cannot list (tensor contents it overwrites:
-  it registers their undo). A connector that leaves something out makes a failed step
-  leave it changed: ``tests/test_kv_connector.py`` injects faults to check.
+* **Recovery forgets.** A step that fails is recovered by recompute
+  (``course_lib/engine/recovery.py``): the engine throws away all KV bookkeeping, calls
+  :meth:`~KVConnectorBase_V1.reset_cache` (vLLM's name; the contract is on
+  :meth:`~course_lib.scheduler.kv_connector.KVConnectorScheduler.reset_cache`) and builds a new
+  scheduler over the same connector. A connector therefore holds no undo code: whatever a
+  failed step left in it, the reset forgets, and the requests are computed again. The KV
+  tensors (:meth:`~KVConnectorBase_V1.register_kv_caches`) stay registered.
 """
 
 from __future__ import annotations
@@ -82,8 +83,6 @@ class KVConnectorBase_V1(KVConnectorScheduler):  # noqa: N801  (vLLM's name)
     (:class:`~course_lib.scheduler.kv_connector.KVConnectorScheduler`: it lives in the
     scheduler layer, which imports no torch) and the worker side below. Subclasses implement
     the abstract methods; the defaults are ``base.py``'s (nothing asynchronous or delayed)."""
-
-    __rollback_skip__ = KVConnectorScheduler.__rollback_skip__ + ("kv_caches",)
 
     def __init__(self, role: KVConnectorRole = KVConnectorRole.SCHEDULER) -> None:
         super().__init__()
@@ -150,4 +149,11 @@ class KVConnectorBase_V1(KVConnectorScheduler):  # noqa: N801  (vLLM's name)
         scheduler computes their tokens again (``SchedulerV1.update_from_kv_xfer_finished``).
         Called once per step, after :meth:`get_finished`."""
         return set()
+
+    def reset_cache(self) -> None:
+        """The scheduler side's contract
+        (:meth:`~course_lib.scheduler.kv_connector.KVConnectorScheduler.reset_cache`); here,
+        the metadata a failed step may have left bound. A connector with more state extends
+        it (and calls this one)."""
+        self._connector_metadata = None
 

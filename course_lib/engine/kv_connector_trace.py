@@ -19,8 +19,9 @@ Which side calls what (vLLM 0.33.0's ``vllm/distributed/kv_transfer/kv_connector
   hands back to the scheduler (``update_from_kv_xfer_finished``).
 
 The step number counts ``get_finished`` calls: the engine makes one at the end of every step,
-so the calls between two of them are one step's. The record is the connector's own field, so
-a step that fails and is rolled back takes its calls back with it.
+so the calls between two of them are one step's. A step that fails keeps the calls it made,
+and the recovery's ``reset_cache`` (recorded on the scheduler side, as vLLM's scheduler calls
+it) ends that step too: the record shows what was tried, then that it was forgotten.
 """
 
 from __future__ import annotations
@@ -128,6 +129,14 @@ class TracingConnector(CPUOffloadConnector):
                      f"{sorted(sending or ())}, done loading {sorted(recving or ())}")
         self.step += 1                       # the engine's last connector call of a step
         return sending, recving
+
+    # ------------------------------------------------------------------ recovery
+    def reset_cache(self) -> None:
+        self._record(SCHEDULER, "reset_cache",
+                     f"after a failed step: the tier's {len(self.cpu_pool.hash_to_block)} "
+                     "blocks and every transfer forgotten")
+        super().reset_cache()
+        self.step += 1                       # the failed step ends here
 
 
 def _seq_of(call: ConnectorCall) -> int | None:

@@ -13,11 +13,13 @@ One :meth:`LLMEngine.step`:
    ``stop_token_ids``, EOS by default, to each request's ``SamplingParams``) or hit a limit.
 5. :class:`~course_lib.scheduler.metrics.Metrics` (vLLM's Prometheus names) are updated.
 
-A step is all or nothing (:mod:`course_lib.engine.rollback`): if anything in it raises, every
-table, pool, queue, counter and metric is put back as it was. Then the engine looks for the
-request to blame (its sampling or output processing failed, or its forward alone fails when
-the step is run again one request at a time): that request alone is finished with
-``finish_reason="error"`` and the step returns it; otherwise ``StepFailed`` is raised.
+If anything in a step raises, the step emits nothing and is recovered by recompute
+(:mod:`course_lib.engine.recovery`, chapter 07's mechanism): the request to blame (its sampling
+or output processing failed, or its forward alone fails when the step is run again one
+request at a time) is finished alone with ``finish_reason="error"`` and returned; every other
+request goes back to what it had at the end of the last step, the KV bookkeeping is rebuilt
+empty, and they are all recomputed, to the same tokens. With nobody to blame, ``StepFailed``
+is raised (after the recovery: call ``step()`` again).
 
 Requests are checked when they are added (:meth:`LLMEngine.add_request`), so that bad input
 fails at once and names itself instead of failing a step later.
@@ -25,11 +27,11 @@ fails at once and names itself instead of failing a step later.
 :meth:`LLMEngine.generate` runs prompts to completion and returns them in order.
 
 :class:`LLMEngine` reads top to bottom: construction, requests in, :meth:`LLMEngine.step`,
-what follows a failed step (put back, blame, finish the culprit), ``generate``. Its
-collaborators are plain functions and data in their own modules: the checks on what comes in
-(``inputs.py``), what comes out (``outputs.py``, with the top-k ``logprobs`` in
-``logprobs.py``), what a failed step puts back (``rollback.py``), the cache tensors and the
-forward pass (``model_runner.py``) and the sampler (``sampler.py``).
+what follows a failed step (blame, recover), ``generate``. Its collaborators are plain
+functions and data in their own modules: the checks on what comes in (``inputs.py``), what
+comes out (``outputs.py``, with the top-k ``logprobs`` in ``logprobs.py``), the recovery of a
+failed step (``recovery.py``), the cache tensors and the forward pass (``model_runner.py``)
+and the sampler (``sampler.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
@@ -65,21 +68,23 @@ from .kv_connector import KVConnectorBase_V1
 from .logprobs import attach_logprobs, top_logprobs
 from .model_runner import ModelRunner
 from .outputs import RequestOutput, request_output
-from .rollback import (
-    RollbackFailed,
+from .recovery import (
+    Counters,
+    RecoveryFailed,
+    RequestRecord,
     StepFailed,
-    StepTransaction,
-    back_up,
-    blocks_at_risk,
-    blocks_before,
+    find_culprit,
+    record,
+    records_of_step,
+    recover,
 )
 from .sampler import sample
 
 if TYPE_CHECKING:
     import torch
 
-# ``_sample_twice`` and ``_protect`` call ``sample`` and ``blocks_at_risk`` by this module's
-# names, so that tests and ``bench/chaos.py`` can replace them here.
+# ``_sample_twice`` calls ``sample`` by this module's name, so that tests and
+# ``bench/chaos.py`` can replace it here.
 __all__ = ["DESIGNS", "LLMEngine"]
 
 # The engine's core, by vLLM generation: "v0" is the paper's and vLLM V0's design (block
@@ -135,14 +140,13 @@ class LLMEngine:
         self.model = model
         self.tokenizer = ByteTokenizer()
         kv_connector = self._kv_connector(model, cache_config, design, kv_connector)
-        self.scheduler = DESIGNS[design](scheduler_config, cache_config) if kv_connector is None \
-            else SchedulerV1(scheduler_config, cache_config, kv_connector)
-        self.block_manager = self.scheduler.block_manager
+        self.scheduler_config, self.cache_config = scheduler_config, cache_config
+        self.kv_connector = kv_connector
+        self.scheduler = self._new_scheduler()
         # the runner's swap space is the block manager's CPU pool (V1's manager has none)
         self.runner = ModelRunner(
             model, replace(cache_config, num_cpu_blocks=self.block_manager.num_cpu_blocks),
             attn_impl)
-        self.kv_connector = kv_connector
         if kv_connector is not None:                 # the worker side: the runner's tensors
             self.runner.kv_connector = kv_connector
             kv_connector.register_kv_caches(self.runner.gpu_caches)
@@ -154,11 +158,33 @@ class LLMEngine:
         self._t0 = clock()
         self._next_request_id = 0
         self._seeds: dict[int, int] = {}
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}      # unfinished requests, by id
         self.last_output: SchedulerOutput | None = None
         self.num_steps = 0
-        self._broken: RollbackFailed | None = None     # a failed step could not be undone
+        self.num_recoveries = 0
+        # what the last completed step committed (recovery.py): each unfinished request's
+        # record, and the counters; a recovery puts everything back to these
+        self._records: dict[int, RequestRecord] = {}
+        self._counters = Counters.of(self.scheduler, self.runner)
+        self._recovery: dict[int, tuple[SequenceStatus, str]] | None = None   # one due
+        self._unreturned: list[RequestOutput] = []   # finished by a recovery, not yet returned
         self._lock = threading.RLock()       # a step, and requests coming in or aborted
+        self._stepping = False               # a step runs (add / abort from inside wait)
+        self._deferred: list[Callable[[], object]] = []     # adds and aborts made in a step
+        self._deferred_ids: set[int] = set()
+
+    def _new_scheduler(self) -> Scheduler | SchedulerV1:
+        """An empty scheduler of the engine's design, with its empty block manager (the
+        constructor's, and a recovery's)."""
+        if self.kv_connector is None:
+            return DESIGNS[self.design](self.scheduler_config, self.cache_config)
+        return SchedulerV1(self.scheduler_config, self.cache_config, self.kv_connector)
+
+    @property
+    def block_manager(self):
+        """The scheduler's block manager (V0's ``BlockManager``, V1's ``KVCacheManager`` or
+        the radix manager); a recovery replaces it with an empty one."""
+        return self.scheduler.block_manager
 
     @staticmethod
     def _check_arguments(model: object, scheduler_config: object, cache_config: object,
@@ -278,102 +304,157 @@ class LLMEngine:
         salt share cached blocks, so one tenant cannot learn another's prompts from
         ``num_cached_tokens``. ``kv_transfer_params`` (vLLM's name, V1 with a KV connector
         only): the connector's parameters for this request, e.g. a prefill/decode
-        disaggregation's ``do_remote_decode`` (:mod:`course_lib.engine.p2p_connector`)."""
+        disaggregation's ``do_remote_decode`` (:mod:`course_lib.engine.p2p_connector`).
+
+        Called while a step runs: from another thread it waits for the step to end; from
+        inside the step (a hook on the stepping thread) it is queued for after the step."""
         with self._lock:                      # not while a step runs (another thread)
             ids = self._check_prompt(prompt)
             params = request_params(params, self.stop_token_ids, self.model.config.vocab_size)
             if request_id is None:
                 request_id = self._next_request_id
-            check_request_id(request_id, self._requests)
+            check_request_id(request_id, self._requests.keys() | self._deferred_ids)
             extra = {} if kv_transfer_params is None else \
                 {"kv_transfer_params": kv_transfer_params}
             if extra and self.design != "v1":
                 raise ValueError("kv_transfer_params need design='v1' with a KV connector")
-            req = self.scheduler.add_request(
-                request_id, ids, params, self.now() if arrival_time is None else arrival_time,
-                cache_salt, **extra)
-            self._next_request_id = max(self._next_request_id, request_id + 1)
-            self._requests[request_id] = req
-            self._seeds[request_id] = params.seed if params.seed is not None \
-                else random.getrandbits(62)
+            if self.design == "v1":
+                self.scheduler.check_request(params, kv_transfer_params)
+            arrival = self.now() if arrival_time is None else arrival_time
+            Request(request_id, ids, params, arrival, cache_salt=cache_salt)   # its checks
+            if self._stepping:
+                self._deferred.append(partial(self._add, request_id, ids, params, arrival,
+                                              cache_salt, extra, deferred=True))
+                self._deferred_ids.add(request_id)
+                self._next_request_id = max(self._next_request_id, request_id + 1)
+            else:
+                self._add(request_id, ids, params, arrival, cache_salt, extra)
             return request_id
 
-    def abort_request(self, request_id: int) -> bool:
-        """Stop a request wherever it is and free its blocks; False if it is not here. Safe
-        from another thread: it waits for a running step to end, then takes effect."""
-        with self._lock:
-            txn = None
-            try:                                   # all or nothing, as a step
-                txn = self._begin()
-                done = self.scheduler.abort_request(request_id)
-                req = self._requests.get(request_id)
-                if req is not None:
-                    self.metrics.forget(req)
-                    if done:
-                        req.finished_time = self.now()
-                txn.commit()
-            except BaseException:
-                self._rollback(txn)
+    def _add(self, request_id: int, ids: tuple[int, ...], params: SamplingParams,
+             arrival: float, cache_salt: str | None, extra: dict, deferred: bool = False
+             ) -> None:
+        """Queue a checked request in the scheduler and commit its record. If queueing fails
+        half-way (an ``n > 1`` request's children, say), the engine recovers: the request
+        never was, and the error is raised; for an add deferred from inside a step (its
+        caller has its id already), the request is answered instead, finished with
+        ``finish_reason="error"``."""
+        self._deferred_ids.discard(request_id)
+        try:
+            req = self.scheduler.add_request(request_id, ids, params, arrival, cache_salt,
+                                             **extra)
+        except BaseException as exc:
+            self._recovery = {}                   # due: the add may have been half made
+            self._recover_now()
+            if not deferred or not isinstance(exc, Exception):
                 raise
-            self._requests.pop(request_id, None)
-            self._seeds.pop(request_id, None)
-            return done
+            req = Request(request_id, ids, params, arrival, cache_salt=cache_salt)
+            req.finish_reason, req.finished_time = "error", self.now()
+            req.finish_detail = f"could not be queued: {type(exc).__name__}: {exc}"
+            self._unreturned.append(request_output(req, self.tokenizer))
+            return
+        self._next_request_id = max(self._next_request_id, request_id + 1)
+        self._requests[request_id] = req
+        self._seeds[request_id] = params.seed if params.seed is not None \
+            else random.getrandbits(62)
+        self._records[request_id] = record(req)
+        self._counters = replace(self._counters, next_seq_id=self.scheduler.next_seq_id)
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request wherever it is and free its blocks; False if it is not here.
+        Called while a step runs: from another thread it waits for the step to end; from
+        inside the step it takes effect after it (True if the request is here now)."""
+        with self._lock:
+            if self._stepping:
+                self._deferred.append(partial(self._abort, request_id))
+                return request_id in self._requests
+            return self._abort(request_id)
+
+    def _abort(self, request_id: int) -> bool:
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        try:
+            self.scheduler.abort_request(request_id)
+            req.finished_time = self.now()
+            self.metrics.forget(req)
+        except BaseException as exc:           # recovered, with the request aborted
+            self._recovery = {request_id: (SequenceStatus.FINISHED_ABORTED,
+                                           "aborted by the user")}
+            self._recover_now()
+            self._unreturned = [o for o in self._unreturned if o.request_id != request_id]
+            if not isinstance(exc, Exception):
+                raise
+            return True
+        self._records.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+        return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._deferred) \
+            or self._recovery is not None
 
     # --------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Schedule, run the cache ops and the model, sample, update; returns the requests
-        that finished in this step. All or nothing (see the module docstring): everything
-        the step changes belongs to one :class:`~course_lib.engine.rollback.StepTransaction`,
-        begun here and committed only once every fallible part is done; on failure the
-        state is put back, and then either the request to blame is finished alone (and
-        returned, ``finish_reason="error"``) or ``StepFailed`` is raised.
+        that finished in this step. If anything in it fails, the step emits nothing and is
+        recovered by recompute (module docstring): the request to blame, if one is found, is
+        returned finished with ``finish_reason="error"``; else ``StepFailed`` is raised.
 
         ``add_request`` and ``abort_request`` called from another thread while a step runs
-        wait for it to end (one lock): a request is never changed under a running step."""
+        wait for it to end (one lock); called from inside the step they take effect after it:
+        a request is never changed under a running step."""
         with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            txn = None
-            try:
-                txn = self._begin()
-                finished, outputs = self._step(txn)
-            except BaseException as exc:
-                self._rollback(txn)
-                if not isinstance(exc, Exception):      # KeyboardInterrupt: state is safe
+            if self._recovery is not None:           # an interrupted recovery, finished now
+                try:
+                    self._recover_now()
+                except RecoveryFailed:
                     raise
-                culprit = (exc.request_id, exc.cause) if isinstance(exc, RequestFailed) \
-                    else self._diagnose()
-                if culprit is None:
-                    raise StepFailed(f"step {self.num_steps} failed and was undone "
-                                     f"({type(exc).__name__}: {exc}); no request's work fails "
-                                     f"alone while the others' succeed") from exc
-                return self._fail_request(*culprit)
-            # committed: the engine's own bookkeeping, which cannot fail (no call out)
-            for req in finished:
-                self._requests.pop(req.request_id, None)
-                self._seeds.pop(req.request_id, None)
-            self.num_steps += 1
-            self.last_output = txn.last_output
+                except Exception as exc:             # even one before it began: still due
+                    raise RecoveryFailed(f"recovering failed ({type(exc).__name__}: {exc}); "
+                                         "the next step() tries again") from exc
+            while self._deferred:                    # adds and aborts made in the last step
+                self._deferred.pop(0)()
+            scheduled: list[tuple[SchedulerOutput, list[int]]] = []
+            self._stepping = True
+            try:
+                outputs = self._step(scheduled)
+            except BaseException as exc:
+                self._stepping = False
+                self._recovery = to_finish = {}       # due from here, whatever happens next
+                if isinstance(exc, Exception):
+                    try:
+                        to_finish = self._blame(exc, scheduled)
+                    except Exception:                # blame nobody
+                        to_finish = {}
+                self._recovery = to_finish
+                try:
+                    self._recover_now()
+                except RecoveryFailed:
+                    raise
+                except Exception as again:           # even one before it began: still due
+                    raise RecoveryFailed(f"recovering failed ({type(again).__name__}: "
+                                         f"{again}); the next step() tries again") from again
+                if not isinstance(exc, Exception):      # KeyboardInterrupt: recovered
+                    raise
+                if not to_finish:
+                    raise StepFailed(f"step {self.num_steps} failed ({type(exc).__name__}: "
+                                     f"{exc}) and was recovered by recompute; no request's "
+                                     f"work fails alone while the others' succeed") from exc
+                outputs = []
+            finally:
+                self._stepping = False
+            outputs, self._unreturned = self._unreturned + outputs, []
             return outputs
 
-    def _begin(self) -> StepTransaction:
-        """Begin this step's transaction: what the step may change is saved before it changes
-        anything (the scheduler, its running requests, the KV-cache manager, the runner; the
-        metrics hold their changes until commit). The engine's request maps and step counter
-        only change after the commit, and the cache blocks at risk are added once the
-        schedule is known (:meth:`_protect`)."""
-        return StepTransaction(self.scheduler, self.runner, self.metrics)
-
-    def _step(self, txn: StepTransaction) -> tuple[list[Request], list[RequestOutput]]:
-        """Every fallible part of a step, in order, ending with the commit of what the
-        transaction holds; changes nothing the transaction does not hold. Returns the requests
-        finished now and their outputs."""
+    def _step(self, scheduled: list[tuple[SchedulerOutput, list[int]]]) -> list[RequestOutput]:
+        """The step itself, ending with its commit; ``scheduled`` gets the schedule and each
+        entry's computed tokens, for :func:`~course_lib.engine.recovery.find_culprit` if the
+        step fails. Returns the outputs of the requests finished now."""
         sched = self.scheduler
         out = sched.schedule()
-        self._protect(out, txn)
+        scheduled.append((out, [e.seq.num_computed_tokens for e in out.scheduled]))
         self.runner.execute_cache_ops(out)
         logits = self._execute_model(out, out.scheduled)
         samples = {}
@@ -394,12 +475,20 @@ class LLMEngine:
                 conn.get_block_ids_with_load_errors())
         attach_logprobs(out, tops)
         outputs = [request_output(r, self.tokenizer) for r in finished]
-        self.metrics.update(sched)                  # held until the commit below
-        self.metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
-        self.metrics.observe_finished(finished)
-        txn.last_output = out
-        txn.commit()
-        return finished, outputs
+        records = records_of_step(sched, out, finished, self._requests)
+        counters = Counters.of(sched, self.runner)
+        self.metrics.record_step(sched, [e.request for e in out.scheduled if e.num_candidates],
+                                 finished, now)       # all or nothing, and the last to fail
+        # the commit: plain assignments, nothing that can fail
+        self._records.update(records)
+        for req in finished:
+            self._records.pop(req.request_id, None)
+            self._requests.pop(req.request_id, None)
+            self._seeds.pop(req.request_id, None)
+        self._counters = counters
+        self.num_steps += 1
+        self.last_output = out
+        return outputs
 
     def _execute_model(self, out: SchedulerOutput, entries: list[ScheduledSeq]
                        ) -> dict[int, torch.Tensor]:
@@ -423,87 +512,60 @@ class LLMEngine:
         except Exception:
             return sample(entry, logits, seed)
 
-    def _protect(self, out: SchedulerOutput, txn: StepTransaction) -> None:
-        """Copy the cache blocks this step overwrites whose contents mattered at its start."""
-        before = blocks_before(txn.checkpoint, self.block_manager)
-        gpu, cpu = blocks_at_risk(out, before, self.block_manager.block_size)
-        txn.backup = back_up(self.runner.gpu_caches, self.runner.cpu_caches, gpu, cpu)
-
     # ---------------------------------------------------------------- after a failed step
-    # ``step`` catches the failure and calls these in this order: put everything back, find
-    # the request to blame, finish that request alone.
-    def _rollback(self, txn: StepTransaction | None) -> None:
-        """Put back everything ``txn`` holds (``None``: the step failed while beginning its
-        transaction, which then changed nothing and closed itself). If the engine cannot be
-        put back, it takes no more steps (``RollbackFailed``)."""
-        if txn is None or txn.closed:
-            return
-        try:
-            txn.rollback()
-        except RollbackFailed as exc:
-            self._broken = exc
-            raise
+    def _blame(self, exc: Exception, scheduled: list[tuple[SchedulerOutput, list[int]]]
+               ) -> dict[int, tuple[SequenceStatus, str]]:
+        """The request to finish alone for a failed step: the one its exception names, or the
+        one whose forward alone fails when the schedule is run again request by request
+        (without the KV connector: no transfer is made twice). Nobody, if none is found."""
+        culprit = None
+        if isinstance(exc, RequestFailed):
+            culprit = exc.request_id, exc.cause
+        elif scheduled:
+            try:
+                culprit = find_culprit(*scheduled[0],
+                                       lambda out, entries: self.runner.execute_model(entries))
+            except Exception:
+                culprit = None
+        if culprit is None or culprit[0] not in self._records:
+            return {}
+        rid, cause = culprit
+        return {rid: (SequenceStatus.FINISHED_ERROR,
+                      f"failed in step {self.num_steps}: {type(cause).__name__}: {cause}")}
 
-    def _diagnose(self) -> tuple[int, BaseException] | None:
-        """After a failed step (already rolled back): run it again with one forward per
-        request, in a transaction of its own. A request is to blame when its forward fails
-        alone, twice (a transient fault rarely strikes twice), while another one's succeeds;
-        if every forward fails (the device, not a request) or all succeed (a transient
-        fault), nobody is. The state is rolled back again whatever happens."""
-        txn = None
-        try:
-            txn = self._begin()
-            out = self.scheduler.schedule()
-            self._protect(out, txn)
-            self.runner.execute_cache_ops(out)
-            by_request: dict[int, list[ScheduledSeq]] = {}
-            for e in out.scheduled:
-                by_request.setdefault(e.request.request_id, []).append(e)
-            failures = []
-            for rid, entries in by_request.items():
-                for attempt in range(2):
-                    try:
-                        self._execute_model(out, entries)
-                        break
-                    except Exception as exc:
-                        if attempt:
-                            failures.append((rid, exc))
-            return failures[0] if 0 < len(failures) < len(by_request) else None
-        except Exception:
-            return None
-        finally:
-            self._rollback(txn)
-
-    def _fail_request(self, request_id: int, cause: BaseException) -> list[RequestOutput]:
-        """Finish the request whose own work failed, alone; the others go on. Returns its
-        output, or nothing if it is no longer here. All or nothing too: in a transaction of
-        its own, so a failure while finishing it leaves everything as it was
-        (``StepFailed``; the next step meets the culprit again)."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return []
-        txn = None
-        try:
-            txn = self._begin()
-            self.scheduler.save_request(req)        # saved even if it waits
-            if not self.scheduler.finish_request(
-                    request_id, SequenceStatus.FINISHED_ERROR,
-                    f"failed in step {self.num_steps}: {type(cause).__name__}: {cause}"):
-                self._rollback(txn)
-                return []
-            req.finished_time = self.now()
-            output = request_output(req, self.tokenizer)
-            self.metrics.forget(req)
-            self.metrics.update(self.scheduler)
-            txn.commit()
-        except Exception as exc:
-            self._rollback(txn)
-            raise StepFailed(f"request {request_id} failed in step {self.num_steps} "
-                             f"({type(cause).__name__}: {cause}) and finishing it failed too "
-                             f"({type(exc).__name__}: {exc}); everything was put back") from exc
-        self._requests.pop(request_id, None)
-        self._seeds.pop(request_id, None)
-        return [output]
+    def _recover_now(self) -> None:
+        """The recovery that is due (``self._recovery``: the requests to finish alone, their
+        outputs returned by the next ``step()``; ``recovery.recover``), tried up to three
+        times, then ``RecoveryFailed`` (it stays due). Installs the new scheduler, commits a
+        fresh record of every request (all now wait, nothing computed) and marks the recovery
+        done. A ``KeyboardInterrupt`` in it leaves it due."""
+        to_finish, conn = self._recovery, self.kv_connector
+        for attempt in range(3):
+            try:
+                done = recover(self._records, self._counters, to_finish, self._new_scheduler,
+                               self.runner, conn.reset_cache if conn is not None else None,
+                               self.now())
+                outputs = [request_output(r, self.tokenizer) for r in done.finished]
+                ended = {r.request_id for r in done.finished}
+                records = {rid: record(rec.request) for rid, rec in self._records.items()
+                           if rid not in ended}
+                self.metrics.record_recovery(done.scheduler, done.recomputed_tokens,
+                                             done.finished)
+                break
+            except Exception as exc:
+                if attempt == 2:
+                    raise RecoveryFailed(f"recovering from a failed step failed three times "
+                                         f"({type(exc).__name__}: {exc}); the next step() "
+                                         f"tries again") from exc
+        # installed: plain assignments, nothing that can fail
+        self.scheduler = done.scheduler
+        for rid in ended:
+            self._requests.pop(rid, None)
+            self._seeds.pop(rid, None)
+        self._records = records
+        self._unreturned += outputs
+        self.num_recoveries += 1
+        self._recovery = None
 
     # ----------------------------------------------------------------------- generate
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -68,8 +68,8 @@ class ModelRunner:
         self.kv_connector: KVConnectorBase_V1 | None = None   # V1's worker side, if any
 
     def counters(self) -> tuple[int, int]:
-        """(blocks swapped, blocks copied) so far (a failed step puts them back, with the
-        runner's other fields: ``engine/rollback.py``)."""
+        """(blocks swapped, blocks copied) so far (a failed step's recovery puts them back to
+        the last completed step's: ``engine/recovery.Counters``)."""
         return self.num_swapped_blocks, self.num_copied_blocks
 
     @property

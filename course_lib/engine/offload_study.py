@@ -187,9 +187,9 @@ def _lookups(engine: LLMEngine) -> tuple[int, int, int]:
     admission counted (re-admissions after a preemption too: V1 counts them apart)."""
     bm, conn = engine.block_manager, engine.kv_connector
     stats = bm.prefix_cache_stats
-    # V1's manager keeps re-admissions apart (vLLM's PrefixCacheStats); V0's has no such count
-    queried = stats.queries + getattr(bm, "prefix_cache_preempted_queries", 0)
-    hits = stats.hits + getattr(bm, "prefix_cache_preempted_hits", 0)
+    # V1's manager keeps re-admissions apart (vLLM's PrefixCacheStats); V0's counts them 0
+    queried = stats.queries + stats.preempted_queries
+    hits = stats.hits + stats.preempted_hits
     return queried, hits, 0 if conn is None else conn.num_hit_tokens
 
 

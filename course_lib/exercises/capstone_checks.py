@@ -233,7 +233,7 @@ def order_cases(name: str, fn, reference) -> Verdict:
 # ---------------------------------------------------------------- plausible wrong answers
 def _append_without_cow(bm, seq_id, token_ids):          # writes into the shared block
     table = bm.get_table(seq_id)
-    blocks = table.writable_blocks()
+    blocks = table.blocks
     while len(blocks) * bm.block_size < len(table.token_ids) + len(token_ids):
         blocks.append(bm.gpu.allocate())
     table.token_ids.extend(token_ids)
@@ -242,7 +242,7 @@ def _append_without_cow(bm, seq_id, token_ids):          # writes into the share
 
 def _append_keeping_the_old_reference(bm, seq_id, token_ids):   # copies, never releases
     table = bm.get_table(seq_id)
-    blocks, n = table.writable_blocks(), len(table.token_ids)
+    blocks, n = table.blocks, len(table.token_ids)
     copies = []
     if n % bm.block_size and bm.gpu.ref_counts[blocks[-1]] > 1:
         src, blocks[-1] = blocks[-1], bm.gpu.allocate()
@@ -255,7 +255,7 @@ def _append_keeping_the_old_reference(bm, seq_id, token_ids):   # copies, never 
 
 def _append_copying_full_blocks(bm, seq_id, token_ids):  # copies a shared block even if full
     table = bm.get_table(seq_id)
-    blocks, n = table.writable_blocks(), len(table.token_ids)
+    blocks, n = table.blocks, len(table.token_ids)
     copies = []
     if bm.gpu.ref_counts[blocks[-1]] > 1:
         src, blocks[-1] = blocks[-1], bm.gpu.allocate()

@@ -215,7 +215,7 @@ def shown_append_slots(bm: BlockManager, seq_id: int, token_ids: list[int]
     """11.1's broken append, as the notebook shows it: two bugs (the learner returns it
     fixed)."""
     table = bm.get_table(seq_id)
-    blocks = table.writable_blocks()
+    blocks = table.blocks
     bs, n = bm.block_size, len(table.token_ids)
     copies = []
     if bm.gpu.ref_counts[blocks[-1]] > 1:                # shared: copy it before writing

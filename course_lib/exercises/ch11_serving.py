@@ -32,20 +32,22 @@ NAMES = ("ttft", "tpot", "itl", "e2el")
 
 
 class TokenTimes:
-    """Hooks ``metrics.observe_step`` (called after every step with the requests that got a
-    token, and the step's time): :meth:`records` gives ``(sent, token_times)`` per request,
-    in request-id order; one time per step that gave the request its tokens."""
+    """Hooks ``metrics.record_step`` (called after every step with the scheduler, the requests
+    that got a token, those that finished, and the step's time): :meth:`records` gives
+    ``(sent, token_times)`` per request, in request-id order; one time per step that gave the
+    request its tokens. A step whose recording fails records nothing (the engine then
+    recovers it: its tokens were never emitted)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.times: dict[int, tuple[float, list[float]]] = {}
-        observe = metrics.observe_step
+        record_step = metrics.record_step
 
-        def observe_and_record(requests, now):
-            requests = list(requests)
-            for req in {id(r): r for r in requests}.values():
+        def record_and_time(scheduler, sampled, finished, now):
+            sampled, finished = list(sampled), list(finished)
+            record_step(scheduler, sampled, finished, now)
+            for req in {id(r): r for r in sampled}.values():
                 self.times.setdefault(req.request_id, (req.arrival_time, []))[1].append(now)
-            observe(requests, now)
-        metrics.observe_step = observe_and_record
+        metrics.record_step = record_and_time
 
     def records(self) -> Records:
         return [(sent, list(times)) for _, (sent, times) in sorted(self.times.items())]

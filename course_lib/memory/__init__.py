@@ -1,11 +1,12 @@
 """KV-cache memory: block tables, pools, prefix caches. Pure Python, no torch.
 
 Three designs, one folder each; none imports another's modules, all share the modules at
-this level (``tests/test_layers.py`` checks it):
+this level (``tests/test_layers.py`` checks it). The classes here hold the mechanism and trust
+their caller (the scheduler, a chapter's helper): the public doors check input before it
+reaches them (``CacheConfig``, ``LLMEngine``, the chapters' helpers and widgets).
 
 ``common.py``        what every design answers alike: ``AllocStatus``, ``BlockUsage``,
-                     ``PrefixCacheStats``, the block states ``HELD`` / ``FREE`` / ``EVICTABLE``,
-                     ``check_watermark``
+                     ``PrefixCacheStats``
 ``v1_interface.py``  ``V1ManagerBase``: the V1 calls that both ``v1/`` and ``radix/`` answer
 
 ``v0/``      the paper's design and vLLM V0's (chapters 03-07, 10, 11). Read in this order:

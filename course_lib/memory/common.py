@@ -6,18 +6,13 @@ the replay, the engine and the widgets read them through the same plain answers:
 
 * :class:`AllocStatus`: is there room now, later, or never (``can_allocate`` / ``can_swap_in``);
 * :class:`BlockUsage`: how full a pool is (held, free, evictable blocks; table entries; slots);
-* :class:`PrefixCacheStats`: prompt tokens looked up in the prefix cache, and found;
-* ``HELD`` / ``FREE`` / ``EVICTABLE``: the three states of a block, as snapshots record them;
-* :func:`check_watermark`: the one argument check the managers add to ``check_block_size``
-  (``course_lib/sizing/blocks.py``) and ``cdiv`` (``course_lib/sizing/units.py``).
+* :class:`PrefixCacheStats`: prompt tokens looked up in the prefix cache, and found.
 """
 
 from __future__ import annotations
 
 import enum
 from typing import NamedTuple
-
-HELD, FREE, EVICTABLE = 0, 1, 2     # a block: ref count >= 1 | ref 0, never cached | ref 0, cached
 
 
 class AllocStatus(enum.Enum):
@@ -63,18 +58,25 @@ class BlockUsage(NamedTuple):
 
 
 class PrefixCacheStats(NamedTuple):
-    """Prefix-cache lookups, counted in tokens (``vllm:prefix_cache_queries`` / ``_hits``)."""
+    """Prefix-cache lookups, counted in prompt tokens (``vllm:prefix_cache_queries`` /
+    ``_hits``). A sequence admitted again after a preemption is counted apart, as vLLM 0.33.0's
+    ``PrefixCacheStats.record`` counts it (``vllm/v1/metrics/stats.py``): not in the exported
+    counters. Immutable: a manager holds one in its ``prefix_cache_stats`` attribute and
+    replaces it at each lookup (:meth:`record`), so the engine can keep a step's value and
+    give it to a new manager."""
     queries: int                 # prompt tokens looked up
     hits: int                    # of those, tokens found in the cache
+    preempted_queries: int = 0   # the same, for sequences admitted again after a preemption
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
-
-def check_watermark(watermark: float) -> None:
-    """Raise ValueError unless ``watermark`` (the share of GPU blocks kept back from
-    admissions) is in [0, 1)."""
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) \
-            or not 0.0 <= watermark < 1.0:
-        raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+    def record(self, num_tokens: int, num_hits: int, preempted: bool = False
+               ) -> PrefixCacheStats:
+        """These counts with one more sequence's lookup added."""
+        if preempted:
+            return self._replace(preempted_queries=self.preempted_queries + num_tokens,
+                                 preempted_hits=self.preempted_hits + num_hits)
+        return self._replace(queries=self.queries + num_tokens, hits=self.hits + num_hits)

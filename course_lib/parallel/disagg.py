@@ -26,7 +26,7 @@ Devices and the data path (``device=``, :attr:`DisaggCluster.data_backend`):
   (layouts at connect time, read requests, statuses: small CPU tensors).
 * Right after joining the world, every rank makes, in the same order, one group per
   (prefill, decode) pair, ``dist.new_group([p, d], backend=data_backend)``; the K/V layer
-  messages of that pair go on it (:mod:`course_lib.engine.p2p_connector`, *Where the bytes
+  messages of that pair go on it (:mod:`course_lib.engine.p2p_transport`, *Where the bytes
   travel*, says why one group per pair is safe for NCCL). ``data_backend`` is ``"nccl"`` when
   every engine is on CUDA and there is a GPU per engine (chapter 09's rule,
   :func:`course_lib.parallel.launch.pick_backend`: NCCL cannot put two ranks on one GPU):
@@ -111,7 +111,7 @@ class EngineSpec:
     backend of its K/V pair groups (the same for every engine: :func:`data_backend_for`) and
     how long one of their messages may wait in this process (``pair_timeout_s``), and an
     optional fault (``exit_after_layers``: it exits once its first transfer moved that many
-    layers, :class:`~course_lib.engine.p2p_connector.P2PConnector`)."""
+    layers, :class:`~course_lib.engine.p2p_transport.P2PTransport`)."""
 
     rank: int
     kv_role: str
@@ -163,7 +163,7 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if spec.data_backend == "nccl":
         # read when a NCCL group is made: a timed-out wait raises in its thread (a failed
-        # transfer) instead of a watchdog tearing the process down (p2p_connector's docstring)
+        # transfer) instead of a watchdog tearing the process down (p2p_transport's docstring)
         os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     try:
@@ -174,6 +174,7 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
 
         from ..engine.llm_engine import LLMEngine
         from ..engine.p2p_connector import P2PConnector
+        from ..engine.p2p_transport import P2PTransport
         from ..model.loader import load_tiny_model
 
         torch.set_num_threads(1)
@@ -186,10 +187,9 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
                                 timeout=timedelta(seconds=MESSAGE_TIMEOUT_S))
         groups = _pair_groups(spec.rank, roles, spec.data_backend, spec.pair_timeout_s)
         model = load_tiny_model(device=device, dtype=getattr(torch, spec.dtype))
-        connector = P2PConnector(spec.kv_role, spec.rank,
-                                 abort_timeout_s=spec.abort_timeout_s,
-                                 exit_after_layers=spec.exit_after_layers,
-                                 data_groups=groups, data_backend=spec.data_backend)
+        transport = P2PTransport(spec.rank, data_groups=groups, data_backend=spec.data_backend,
+                                 exit_after_layers=spec.exit_after_layers)
+        connector = P2PConnector(spec.kv_role, transport, abort_timeout_s=spec.abort_timeout_s)
         engine = LLMEngine(model, spec.scheduler_config, spec.cache_config,
                            attn_impl=spec.attn_impl, design="v1", kv_connector=connector)
         connector.connect(roles)
@@ -254,11 +254,12 @@ def _stats(engine: Any, connector: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     kvm = engine.scheduler.kv_cache_manager
+    transport = connector.transport
     engine.check_invariants()
-    return {"device": str(engine.runner.device), "data_backend": connector.data_backend,
+    return {"device": str(engine.runner.device), "data_backend": transport.data_backend,
             "data_groups": {peer: dist.get_process_group_ranks(g)
-                            for peer, g in (connector.data_groups or {}).items()},
-            "layer_messages": dict(connector.layer_messages),
+                            for peer, g in (transport.data_groups or {}).items()},
+            "layer_messages": dict(transport.layer_messages),
             "num_gpu_blocks": kvm.num_gpu_blocks, "num_free_blocks": kvm.num_free_gpu_blocks,
             "num_held_requests": connector.num_held_requests,
             "num_delayed_frees": len(kvm.delayed_frees),

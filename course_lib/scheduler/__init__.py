@@ -2,11 +2,8 @@
 
 * ``scheduler``         :class:`Scheduler`, whole, in reading order: ``schedule`` (continuous
                         batching, chunked prefill), preemption by recompute or swap,
-                        ``update``, the request queues, ``begin`` (the step's checkpoint:
-                        the engine's all-or-nothing step), ``check_invariants``; owns the
+                        ``update``, the request queues, ``check_invariants``; owns the
                         block manager
-* ``waiting``           :class:`WaitingQueue`: both schedulers' waiting queue, which logs the
-                        moves a step makes in it so that a failed step is undone without a copy
 * ``policy``            :class:`SchedulingBudget` and the victim policies
 * ``admission``         room for a decode, a prompt or a swap-in; why a request can never fit
 * ``output``            :class:`SchedulerOutput` / :class:`ScheduledSeq`: one step's decision,

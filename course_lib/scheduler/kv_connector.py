@@ -19,9 +19,10 @@ The calls, in the order one ``schedule()`` makes them:
 4. :meth:`KVConnectorScheduler.request_finished`, when a sequence finishes, before its
    blocks are freed.
 
-All or nothing: the engine's step saves the objects :meth:`KVConnectorScheduler.rollback_parts`
-names when it begins, and hands the connector its checkpoint (:meth:`attach`) for the undos
-it registers itself (``course_lib/engine/rollback.py``).
+And one call outside any step: :meth:`KVConnectorScheduler.reset_cache`, when the engine
+recovers from a failed step (``course_lib/engine/recovery.py``): it throws away all KV
+bookkeeping and builds a new scheduler, whose constructor binds the connector to its new
+manager (:meth:`KVConnectorScheduler.bind_kv_cache_manager`, a second time).
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence as SequenceABC
 from typing import TYPE_CHECKING, Any
-
-from ..checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from ..memory.v1.kv_cache_manager import KVCacheManager
@@ -42,32 +41,14 @@ class KVConnectorScheduler(ABC):
     """The scheduler side of vLLM's ``KVConnectorBase_V1`` (module docstring). A V1 request is
     one :class:`~course_lib.sequence.Sequence` here, named by its ``seq_id``."""
 
-    #: fields a step's checkpoint does not copy: what is bound once, and the checkpoint itself
-    __rollback_skip__ = ("kv_cache_manager", "checkpoint")
-
     def __init__(self) -> None:
         self.kv_cache_manager: KVCacheManager | None = None
-        self.checkpoint: Checkpoint | None = None
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         """The scheduler's manager (vLLM's ``bind_kv_cache_manager``): the scheduler side reads
-        its block hashes. Called once, by ``SchedulerV1``."""
+        its block hashes. Called by each ``SchedulerV1`` built over the connector: once, and
+        again after every :meth:`reset_cache` (the recovery's new scheduler, new manager)."""
         self.kv_cache_manager = kv_cache_manager
-
-    # --------------------------------------------------------------- the transaction
-    def rollback_parts(self) -> list[object]:
-        """The objects a step may change, saved by the step's checkpoint when it begins; the
-        connector itself by default. A connector owning more objects (a pool) lists them:
-        ``tests/test_checkpoint.py`` walks what it owns."""
-        return [self]
-
-    def attach(self, checkpoint: Checkpoint) -> None:
-        """The running step's checkpoint, for undos the connector registers itself
-        (``Checkpoint.on_rollback``), such as contents of its own buffers it overwrites."""
-        self.checkpoint = checkpoint
-
-    def _in_step(self) -> bool:
-        return self.checkpoint is not None and not self.checkpoint.closed
 
     # ------------------------------------------------------------------- the calls
     @abstractmethod
@@ -95,3 +76,24 @@ class KVConnectorScheduler(ABC):
         them; the scheduler keeps them until the worker side's ``get_finished`` names ``seq``
         as done sending. The dict: transfer parameters for the request's output (unused)."""
         return False, None
+
+    # ------------------------------------------------------------------ recovery
+    def reset_cache(self) -> None:
+        """Forget every request and every transfer: the engine's recovery after a failed step
+        (``course_lib/engine/recovery.py``) throws away the scheduler, its manager and its
+        blocks, and recomputes every unfinished request from its prompt and committed tokens.
+        vLLM 0.33.0's name and place: ``KVConnectorBase_V1.reset_cache`` in
+        ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``, called by
+        ``Scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)``
+        (``vllm/v1/core/sched/scheduler.py``), which preempts every running request to the
+        waiting queue and resets the prefix cache, as the recovery does. (vLLM's returns
+        ``False`` when it cannot reset; the course's always can.)
+
+        The contract: every piece of per-request and per-step state goes (transfers planned or
+        under way, bound metadata, delayed frees, answers ``get_finished`` has not given yet);
+        the old manager is not called (it is being thrown away, perhaps half-changed by the
+        failed step); called twice it does what it does once (a recovery interrupted by a second
+        fault runs again); it never raises on state a step left half-done (a fault can land
+        between any two calls of a step). Counters may keep their totals. The default:
+        nothing to forget."""
+        return None

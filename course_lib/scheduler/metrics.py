@@ -1,12 +1,13 @@
 """Prometheus metrics of the scheduler and the KV cache, with vLLM's names for each design.
 
-One :class:`Metrics` per engine, each with its own ``CollectorRegistry`` (never the global
-default one), so that two engines -- or two tests -- never collide. The engine (or the
-simulator) calls :meth:`Metrics.update` after each step, :meth:`Metrics.observe_step` with the
-requests that got a token in it, :meth:`Metrics.observe_finished` for the requests that
-finished, and :meth:`Metrics.forget` for a request that ended outside a step (aborted, or
-failed alone); :func:`serve_metrics` exposes ``/metrics`` over HTTP on 127.0.0.1 for ``curl`` or a
-Prometheus server.
+One :class:`Metrics` per engine, each with its own registry (never prometheus_client's global
+default one), so that two engines -- or two tests -- never collide. The engine calls
+:meth:`Metrics.record_step` once per step, with everything the step changed, and
+:meth:`Metrics.record_recovery` after it recovered from a failed step; the model-free replay
+and the chapters may call the pieces one by one (:meth:`Metrics.update`,
+:meth:`Metrics.observe_step`, :meth:`Metrics.observe_finished`, :meth:`Metrics.forget`).
+:func:`serve_metrics` exposes ``/metrics`` over HTTP on 127.0.0.1 for ``curl`` or a Prometheus
+server.
 
 The names follow the design the engine runs. For both:
 
@@ -37,35 +38,35 @@ no CPU usage; ``gpu_cache_usage_perc`` is gone, renamed):
     vllm:inter_token_latency_seconds                       histogram, per generated token
     vllm:request_time_per_output_token_seconds             histogram, per request
 
+The course's own, in both designs (see :meth:`Metrics.record_recovery`):
+
+    course:engine_recoveries_total                         counter, failed steps recovered
+    course:recomputed_tokens_total                         counter, tokens recomputed by them
+
 prometheus_client adds a ``*_created`` timestamp beside every counter and histogram; they are
 not vLLM metrics, and the course turns them off so that ``/metrics`` shows vLLM's names only.
 Every series exists from the start, at 0 (as vLLM creates its labelled series when the engine
 starts), so that a ``rate()`` over a window that begins before the first preemption counts it.
-
-:func:`serve_metrics` always answers in the classic text format (``text/plain;
-version=0.0.4``), whatever the scraper asks for: see :class:`MetricsServer` for why. A scrape
-reads :meth:`Metrics.exposition`: the text as of the end of the last change applied (never
-half a step's changes), rendered once per change and never waiting for a step.
 """
 
 from __future__ import annotations
 
-import selectors
-import socket
 import threading
-import time
-from collections.abc import Callable, Iterable
-from email.utils import formatdate
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    Metric,
     disable_created_metrics,
     generate_latest,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from ..sequence import Request
 from .scheduler import Scheduler
@@ -79,19 +80,67 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
 
+class StepRegistry(CollectorRegistry):
+    """A ``CollectorRegistry`` whose readers never see half of an apply.
+
+    :class:`Metrics` holds ``lock`` while it applies one call's changes (a step's gauges,
+    counters and histograms together); :meth:`collect` -- what a scrape, ``value()`` and
+    ``get_sample_value`` read -- lists every family under the same lock. An apply is only
+    ``set`` / ``inc`` / ``observe`` calls (about a microsecond each, one ``observe`` per token
+    of the step), and the lock is not held while a scrape renders the text, so a scrape waits
+    at most for one apply, never for a step, and a step waits at most for one collect (about
+    half a millisecond for the course's families)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            families = list(super().collect())
+        return iter(families)
+
+    def restricted_registry(self, names: Iterable[str]) -> _Collected:
+        """What a ``/metrics?name[]=...`` scrape renders: the named families, also collected
+        under the lock."""
+        with self.lock:
+            families = list(super().restricted_registry(names).collect())
+        return _Collected(families)
+
+
+@dataclass
+class _Collected:
+    """Families collected at one instant, for ``generate_latest`` to render."""
+    families: list[Metric]
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+@dataclass
+class _Changes:
+    """Everything one call changes, read in full before any of it is applied: the
+    collectors' children (``gauge.labels(model)``) with their new values, and this object's
+    own maps."""
+    sets: list[tuple[object, float]] = field(default_factory=list)          # gauge child, value
+    incs: list[tuple[object, float]] = field(default_factory=list)          # counter child, > 0
+    observations: list[tuple[object, float]] = field(default_factory=list)  # histogram child
+    seen: dict[str, float] = field(default_factory=dict)     # the scheduler's counts, now seen
+    clocks: dict[Request, float] = field(default_factory=dict)   # last token times, set ...
+    drops: list[Request] = field(default_factory=list)           # ... then these dropped
+
+
 class Metrics:
     """The collectors of one engine, in ``self.registry``; ``design`` ("v0" or "v1") picks the
-    names (by default the scheduler's design). ``version`` counts the changes applied to
-    them (by :meth:`update`, :meth:`observe_step`, :meth:`observe_finished`, :meth:`forget`):
-    change the collectors through these only, and a scrape between two changes reuses the
-    last body (:meth:`exposition`).
+    names (by default the scheduler's design).
 
-    **A step's changes are all or nothing.** Each of those methods first reads everything it
-    needs (the reads can fail), then applies (collectors and this object's own maps). Between
-    :meth:`begin` and :meth:`commit` (the engine's step) the applications wait and are made
-    together at commit, or dropped by :meth:`discard` when the step is rolled back, so a
-    retried step never observes a latency twice. Outside (the model-free replay) each call
-    applies at once.
+    **Read everything, then apply once.** Every public method first reads what it needs from
+    the scheduler and the requests (reads call the library's code and may raise: then nothing
+    is applied), then applies all its changes in one :meth:`_apply`, which calls nothing of
+    the library (only prometheus_client's ``set`` / ``inc`` / ``observe`` and dict updates),
+    under the registry's lock. So a call is all or nothing: a fault raised anywhere in the
+    library during :meth:`record_step` lands before anything is applied, and the step retried
+    or recomputed after it observes each latency once. ``version`` counts the applies.
     """
 
     def __init__(self, scheduler: Scheduler | SchedulerV1, model_name: str = "course-model",
@@ -99,7 +148,7 @@ class Metrics:
         self.design = design or ("v1" if isinstance(scheduler, SchedulerV1) else "v0")
         if self.design not in ("v0", "v1"):
             raise ValueError(f"design must be 'v0' or 'v1', got {self.design!r}")
-        self.registry = reg = CollectorRegistry()
+        self.registry = reg = StepRegistry()
         self.model_name = model_name
         labels = ["model_name"]
         v0 = self.design == "v0"
@@ -159,6 +208,10 @@ class Metrics:
                                           "request.", TPOT_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of end to end request latency in seconds.", E2E_BUCKETS)
+        self.recoveries = counter("course:engine_recoveries",
+                                  "Failed engine steps recovered by recompute.")
+        self.recomputed_tokens = counter("course:recomputed_tokens",
+                                         "Tokens recomputed after failed engine steps.")
         cc = scheduler.cache_config
         info = {"block_size": cc.block_size, "num_gpu_blocks": cc.num_gpu_blocks,
                 "num_cpu_blocks": cc.num_cpu_blocks if v0 else 0,
@@ -166,6 +219,8 @@ class Metrics:
         cache_info = Gauge("vllm:cache_config_info", "Information of the KV-cache config.",
                            list(info), registry=reg)
         cache_info.labels(**{k: str(v) for k, v in info.items()}).set(1)
+        # The scheduler's cumulative counts as last applied: a counter grows by the difference
+        # (a fresh scheduler after a recovery starts from these same counts: it adds nothing)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "prompt": 0, "generation": 0}
         # each request with a token so far -> its last token's time. Keyed by the Request
         # object itself (identity: ``Request`` is ``eq=False``), never by ``id(request)`` or
@@ -173,73 +228,53 @@ class Metrics:
         # dropped however the request ends (see :meth:`forget`).
         self._last_token_time: dict[Request, float] = {}
         self._prefix_caching = cc.enable_prefix_caching
-        self.version = 0
-        self._applying = False                 # True while _apply changes the collectors
-        self._pending: list[Callable[[], object]] | None = None   # a step's, until commit
+        self.version = 0                                # applies so far
         self.update(scheduler)
-        self._exposition = (self.version, classic_text(reg))   # (version, body): consistent
 
-    # ------------------------------------------------------- a step: all or nothing
-    def begin(self) -> None:
-        """A step begins: hold its changes until :meth:`commit` (or :meth:`discard`)."""
-        self._pending = []
+    # ------------------------------------------------------------------ a whole step
+    def record_step(self, scheduler: Scheduler | SchedulerV1, sampled: Iterable[Request],
+                    finished: Iterable[Request], now: float) -> None:
+        """Everything one engine step changed, in one apply: the scheduler's gauges and
+        counters (:meth:`update`), the inter-token latencies of ``sampled``, the requests that
+        got a token in the step that ended at ``now`` (:meth:`observe_step`), and the TTFT,
+        end-to-end latency and time per output token of ``finished``
+        (:meth:`observe_finished`). A scrape sees the step whole or not at all."""
+        changes = _Changes()
+        self._read_scheduler(scheduler, changes)
+        self._read_tokens(sampled, now, changes)
+        self._read_finished(finished, changes)
+        self._apply(changes)
 
-    def commit(self) -> None:
-        """The step succeeded: apply the changes it held."""
-        pending, self._pending = self._pending or [], None
-        self._apply(pending)
+    def record_recovery(self, scheduler: Scheduler | SchedulerV1, recomputed_tokens: int,
+                        failed: Iterable[Request]) -> None:
+        """The engine recovered from a failed step (nothing of it was recorded): the gauges
+        of the fresh ``scheduler`` (every request back in the waiting queue, every block
+        free), one more recovery, ``recomputed_tokens`` more tokens to recompute, and the
+        requests that ended with an error (``failed``) forgotten. The others keep their
+        inter-token clocks: their next token's latency includes the recovery, as a streaming
+        client waits it. The fresh scheduler's cumulative counts are the ones last recorded,
+        so its counters add nothing.
 
-    def discard(self) -> None:
-        """The step was rolled back: drop the changes it held."""
-        self._pending = None
+        These two counters are the course's own (``course:``): vLLM 0.33.0 has no such metric,
+        because on an engine-core fault it recovers nothing -- it aborts every request
+        (``vllm/v1/fault_tolerance/engine_core_sentinel.py``, ``EngineCoreSentinel.on_fault``:
+        ``scheduler.finish_requests(None, FINISHED_ABORTED)``)."""
+        changes = _Changes()
+        self._read_scheduler(scheduler, changes)
+        m = self.model_name
+        changes.incs.append((self.recoveries.labels(m), 1))
+        if recomputed_tokens > 0:
+            changes.incs.append((self.recomputed_tokens.labels(m), recomputed_tokens))
+        changes.drops.extend(failed)
+        self._apply(changes)
 
-    def _apply(self, changes: list[Callable[[], object]]) -> None:
-        """Apply ``changes`` now, or hold them while a step is open."""
-        if self._pending is not None:
-            self._pending.extend(changes)
-            return
-        if not changes:
-            return
-        self._applying = True        # a scrape rendering now may see half: it will not keep it
-        try:
-            for change in changes:
-                change()
-        finally:
-            self.version += 1        # before the flag drops: see exposition()
-            self._applying = False
-
-    # ------------------------------------------------------------------ the readings
+    # ------------------------------------------------------------------ the pieces
     def update(self, scheduler: Scheduler | SchedulerV1) -> None:
         """Read the scheduler's queues and counters and the block manager's pools (after a
-        step): the engine and the model-free replay feed the metrics the same way."""
-        m, bm = self.model_name, scheduler.block_manager
-        gauges = [(self.num_requests_running, len(scheduler.running)),
-                  # vLLM counts the requests waiting with blocks (for a KV connector's
-                  # loads) as waiting too (get_request_counts: kv_holding_waiting)
-                  (self.num_requests_waiting, len(scheduler.waiting)
-                   + len(getattr(scheduler, "waiting_for_remote", ()))),
-                  (self.gpu_cache_usage, bm.usage("gpu").block_usage)]
-        stats = bm.prefix_cache_stats
-        if self.design == "v0":
-            rate = (-1.0 if not self._prefix_caching
-                    else stats.hits / stats.queries if stats.queries else 0.0)
-            gauges += [(self.num_requests_swapped, len(scheduler.swapped)),
-                       (self.cpu_cache_usage, bm.usage("cpu").block_usage),
-                       (self.prefix_cache_hit_rate, rate)]
-        counts = [("preemptions", scheduler.num_preemptions, self.num_preemptions),
-                  ("queries", stats.queries, self.prefix_cache_queries),
-                  ("hits", stats.hits, self.prefix_cache_hits),
-                  ("prompt", scheduler.num_prompt_tokens, self.prompt_tokens),
-                  ("generation", scheduler.num_generated_tokens, self.generation_tokens)]
-
-        def change() -> None:
-            for gauge, value in gauges:
-                gauge.labels(m).set(value)
-            for key, now, counter in counts:
-                if counter is not None and now > self._seen[key]:
-                    counter.labels(m).inc(now - self._seen[key])
-                    self._seen[key] = now
-        self._apply([change])
+        step), and apply them."""
+        changes = _Changes()
+        self._read_scheduler(scheduler, changes)
+        self._apply(changes)
 
     def observe_step(self, requests: Iterable[Request], now: float) -> None:
         """The requests that got a token in the step that ended at ``now``: each token after
@@ -248,74 +283,95 @@ class Metrics:
         Then every request that has ended by now, however it ended (finished, aborted,
         ignored, failed), is forgotten, so the map holds only unfinished requests even if
         nobody called :meth:`forget` for them."""
-        m, requests = self.model_name, list(dict.fromkeys(requests))   # once each, in order
-        ended = [r for r in (*self._last_token_time, *requests) if r.is_finished]
-
-        def change() -> None:
-            for req in requests:
-                last = self._last_token_time.get(req)
-                if last is not None:
-                    self.itl.labels(m).observe(now - last)
-                self._last_token_time[req] = now
-            for req in ended:
-                self._last_token_time.pop(req, None)
-        self._apply([change])
-
-    def forget(self, requests: Request | Iterable[Request]) -> None:
-        """Drop requests that ended outside a step's update (aborted, failed alone): their
-        inter-token clock stops. Requests never seen, or forgotten already, are fine."""
-        requests = [requests] if isinstance(requests, Request) else list(requests)
-
-        def change() -> None:
-            for req in requests:
-                self._last_token_time.pop(req, None)
-        self._apply([change])
+        changes = _Changes()
+        self._read_tokens(requests, now, changes)
+        self._apply(changes)
 
     def observe_finished(self, requests: Iterable[Request]) -> None:
         """TTFT, end-to-end latency and (V1) time per output token of finished requests
         (ignored ones are skipped)."""
-        m, requests, seen = self.model_name, list(requests), []
+        changes = _Changes()
+        self._read_finished(requests, changes)
+        self._apply(changes)
+
+    def forget(self, requests: Request | Iterable[Request]) -> None:
+        """Drop requests that ended outside a step (aborted, failed alone): their
+        inter-token clock stops. Requests never seen, or forgotten already, are fine."""
+        changes = _Changes()
+        changes.drops.extend([requests] if isinstance(requests, Request) else requests)
+        self._apply(changes)
+
+    # ------------------------------------------------------------------ read, then apply
+    def _read_scheduler(self, scheduler: Scheduler | SchedulerV1, into: _Changes) -> None:
+        m, bm = self.model_name, scheduler.block_manager
+        into.sets += [(self.num_requests_running.labels(m), len(scheduler.running)),
+                      # vLLM counts the requests waiting with blocks (for a KV connector's
+                      # loads) as waiting too (get_request_counts: kv_holding_waiting)
+                      (self.num_requests_waiting.labels(m), len(scheduler.waiting)
+                       + len(getattr(scheduler, "waiting_for_remote", ()))),
+                      (self.gpu_cache_usage.labels(m), bm.usage("gpu").block_usage)]
+        stats = bm.prefix_cache_stats
+        if self.design == "v0":
+            rate = (-1.0 if not self._prefix_caching
+                    else stats.hits / stats.queries if stats.queries else 0.0)
+            into.sets += [(self.num_requests_swapped.labels(m), len(scheduler.swapped)),
+                          (self.cpu_cache_usage.labels(m), bm.usage("cpu").block_usage),
+                          (self.prefix_cache_hit_rate.labels(m), rate)]
+        counts = [("preemptions", scheduler.num_preemptions, self.num_preemptions),
+                  ("queries", stats.queries, self.prefix_cache_queries),
+                  ("hits", stats.hits, self.prefix_cache_hits),
+                  ("prompt", scheduler.num_prompt_tokens, self.prompt_tokens),
+                  ("generation", scheduler.num_generated_tokens, self.generation_tokens)]
+        for key, now, counter in counts:
+            if counter is not None and now > self._seen[key]:   # never backwards
+                into.incs.append((counter.labels(m), now - self._seen[key]))
+                into.seen[key] = now
+
+    def _read_tokens(self, requests: Iterable[Request], now: float, into: _Changes) -> None:
+        itl, requests = self.itl.labels(self.model_name), list(dict.fromkeys(requests))
+        for req in requests:                                  # once each, in order
+            last = self._last_token_time.get(req)
+            if last is not None:
+                into.observations.append((itl, now - last))
+            into.clocks[req] = now
+        into.drops += [r for r in (*self._last_token_time, *requests) if r.is_finished]
+
+    def _read_finished(self, requests: Iterable[Request], into: _Changes) -> None:
+        m, requests = self.model_name, list(requests)
         for req in requests:
             if req.first_token_time is None or req.finished_time is None:
-                continue
-            tpot = None
+                continue                                      # ignored: never ran
+            into.observations += [
+                (self.ttft.labels(m), req.first_token_time - req.arrival_time),
+                (self.e2e.labels(m), req.finished_time - req.arrival_time)]
             if self.request_tpot is not None and req.num_output_tokens > 1:
-                tpot = (req.finished_time - req.first_token_time) / (req.num_output_tokens - 1)
-            seen.append((req.first_token_time - req.arrival_time,
-                         req.finished_time - req.arrival_time, tpot))
+                into.observations.append(
+                    (self.request_tpot.labels(m), (req.finished_time - req.first_token_time)
+                     / (req.num_output_tokens - 1)))
+        into.drops += requests
 
-        def change() -> None:
-            for req in requests:
+    def _apply(self, changes: _Changes) -> None:
+        """Apply ``changes`` at once, under the registry's lock (no scrape collects
+        meanwhile). Calls nothing of the library: a fault injected into it cannot land
+        part-way through."""
+        with self.registry.lock:
+            for child, value in changes.sets:
+                child.set(value)
+            for child, amount in changes.incs:
+                child.inc(amount)
+            for child, value in changes.observations:
+                child.observe(value)
+            self._seen.update(changes.seen)
+            self._last_token_time.update(changes.clocks)
+            for req in changes.drops:
                 self._last_token_time.pop(req, None)
-            for ttft, e2e, tpot in seen:
-                self.ttft.labels(m).observe(ttft)
-                self.e2e.labels(m).observe(e2e)
-                if tpot is not None:
-                    self.request_tpot.labels(m).observe(tpot)
-        self._apply([change])
+            self.version += 1
 
+    # ------------------------------------------------------------------ reading them
     def exposition(self) -> bytes:
-        """The registry in the classic text format (:func:`classic_text`) as of the end of
-        the last change applied: what a scrape answers. It takes no lock, so it never waits
-        for a step to end, and it never shows part of a change (in the engine,
-        a whole step's changes are one, applied at its commit).
-
-        Rendered at most once per :attr:`version` (pure Python, about a millisecond: a burst
-        of scrapers would otherwise each pay it). A scrape that finds a change being applied
-        gets the last body at once. A render is kept only if no change was applied while it
-        ran (``version`` and ``_applying`` read before and after, a seqlock: ``_apply``
-        raises ``_applying`` first and bumps ``version`` before dropping it); else the last
-        body is answered: collectors read mid-change are never served. Either way the
-        answer is at most the changes of that instant behind."""
-        last_version, last_body = self._exposition
-        version = self.version
-        if version == last_version or self._applying:
-            return last_body
-        body = classic_text(self.registry)
-        if self._applying or self.version != version:       # a change ran meanwhile
-            return last_body
-        self._exposition = (version, body)
-        return body
+        """The registry in the classic text format, names exactly as registered (colons
+        kept): what a scrape of :func:`serve_metrics` answers."""
+        return generate_latest(self.registry)
 
     def value(self, name: str) -> float:
         """One sample's current value, e.g. ``value("vllm:num_preemptions_total")``."""
@@ -326,245 +382,58 @@ class Metrics:
         return got
 
 
-CLASSIC_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-# one non-blocking socket call without a mode switch (an fcntl, and a release of the
-# interpreter lock, saved per connection); where it is missing, sockets are made non-blocking
-_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+# ----------------------------------------------------------------------- /metrics over HTTP
+def classic_text_only(app: Callable) -> Callable:
+    """The WSGI ``app`` with the request's ``Accept`` header removed: prometheus_client's app
+    then answers the classic text format (``text/plain; version=0.0.4``), whatever the
+    scraper asked for.
 
-
-def classic_text(registry: CollectorRegistry) -> bytes:
-    """The registry in the classic text format, names exactly as registered (colons kept)."""
-    try:
-        return generate_latest(registry, escaping="allow-utf-8")
-    except TypeError:          # prometheus_client before UTF-8 names: it never escapes names
-        return generate_latest(registry)
-
-
-class _Connection:
-    """One client's connection in :class:`MetricsServer`'s loop: the request head read so
-    far, then the answer left to send, and the deadline for both."""
-
-    __slots__ = ("sock", "deadline", "head", "out", "draining", "event")
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.deadline = sock, deadline
-        self.head = b""            # the request's bytes so far (up to the blank line)
-        self.out = b""             # the answer's bytes not sent yet
-        self.draining = False      # answered; reading what the client sent beyond its head
-        self.event = 0             # what it waits for in the selector (0: not registered)
-
-
-class MetricsServer:
-    """``/metrics`` over HTTP on 127.0.0.1, in one thread: a ``selectors`` loop accepts
-    connections, reads each request head, and answers ``GET /metrics`` (or ``/``) with
-    ``page()`` (e.g. :meth:`Metrics.exposition`) in the classic text format, whatever the
-    ``Accept`` header says; ``HEAD`` gets the headers only, another path a 404, another
-    method a 405, a malformed request a 400 and a head over 8 KiB a 431. One request per
-    connection (``Connection: close``).
-
-    Why one thread and no ``http.server``: the costs of a scrape are the HTTP handling (the
-    body is rendered once per change) and, beside a pure-Python step (the model-free
-    replay), the interpreter lock: every socket call releases it, and taking it back from a
-    busy thread waits up to the switch interval (5 ms). ``wsgiref`` spent about 0.8 ms of
-    Python per scrape (headers parsed by ``email``, a WSGI environ, five ``sendall``) in a
-    thread of its own, about a dozen lock releases; here a scrape whose request has arrived
-    is an ``accept``, a ``recv``, one ``send`` and a ``close`` (no selector registration),
-    and the loop serves every ready connection per wake-up. The body is rendered in the
-    loop (about a millisecond, once per change: every connection waits that long, as it
-    would for the interpreter lock). A slow client holds nothing: its socket waits in the
-    selector, and it has ``request_deadline_s`` seconds in all (however it trickles its
-    request, or reads its answer) before it is dropped unanswered. A listen backlog of 128
-    (socketserver's default is 5: a burst of scrapers beyond it waits for SYN retransmits,
-    1 s and more).
-
-    Why the classic text format whatever is asked (not prometheus_client's own app, which
-    negotiates): a Prometheus 2.x server (Debian's 2.42, say) asks for OpenMetrics first and
-    names no escaping scheme, so recent prometheus_client (0.26 here) picks "underscores"
-    escaping (which, by Prometheus' escaping rules, leaves ``:`` alone) and then writes
+    Why: a Prometheus 2.x server (Debian's 2.42, say) asks for OpenMetrics first and names no
+    escaping scheme, so recent prometheus_client (0.26 here) picks "underscores" escaping
+    (which, by Prometheus' escaping rules, leaves ``:`` alone) and then writes
     ``# HELP vllm:gpu_cache_usage_perc`` but ``vllm_gpu_cache_usage_perc 0.5`` on the sample
     line (prometheus/client_python#1177; the fix proposed there escapes the HELP line too).
     Prometheus then stores every vLLM series with ``_`` for ``:``, and
     ``vllm:gpu_cache_usage_perc`` finds nothing. The classic text format has no escaping
-    step, every Prometheus reads it (it is the one format all versions accept), and it is
-    what ``curl`` shows, so the names the course teaches are the names a Prometheus server
-    stores.
+    step, every Prometheus reads it, and it is what ``curl`` shows, so the names the course
+    teaches are the names a Prometheus server stores. (vLLM 0.33.0 gets the same effect from
+    the order of its routes, ``vllm/entrypoints/serve/instrumentator/metrics.py``.)"""
+    def app_in_classic_text(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+    return app_in_classic_text
 
-    ``serve_forever()`` runs the loop (:func:`serve_metrics` starts it in a daemon thread);
-    ``shutdown()`` stops it and waits; ``server_close()`` frees the port.
-    """
 
-    request_deadline_s = 10.0      # a client's whole time to send its request and take the answer
-    max_head_bytes = 8192
+class _QuietHandler(WSGIRequestHandler):
+    """wsgiref's request handler without its log line per request on stderr
+    (prometheus_client's ``start_wsgi_server`` silences it the same way, with a private
+    class of its own)."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """prometheus_client's thread-per-request WSGI server, with a listen backlog of 128
+    (socketserver's default is 5: a burst of scrapers beyond it waits for SYN retransmits,
+    a second and more)."""
+
     request_queue_size = 128
 
-    def __init__(self, port: int, page: Callable[[], bytes]) -> None:
-        self.page = page
-        self.socket = socket.create_server(("127.0.0.1", port),
-                                           backlog=self.request_queue_size)
-        self.socket.setblocking(False)
-        self.server_port: int = self.socket.getsockname()[1]
-        self._wake_r, self._wake_w = socket.socketpair()   # shutdown() wakes the loop
-        self._stop = threading.Event()
-        self._stopped = threading.Event()
-        self._stopped.set()                                # not running yet
 
-    # ------------------------------------------------------------------ the loop
-    def serve_forever(self) -> None:
-        """Serve until :meth:`shutdown` (in the calling thread)."""
-        self._stopped.clear()
-        conns: dict[int, _Connection] = {}
-        sel = selectors.DefaultSelector()
-        sel.register(self.socket, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not self._stop.is_set():
-                wait = min((c.deadline for c in conns.values()), default=None)
-                if wait is not None:
-                    wait = max(0.0, wait - time.monotonic())
-                for key, _ in sel.select(wait):
-                    if key.fileobj is self.socket:
-                        self._accept(sel, conns)
-                    elif key.fileobj is not self._wake_r:
-                        self._serve(sel, conns, conns[key.fd])
-                now = time.monotonic()
-                for conn in [c for c in conns.values() if c.deadline <= now]:
-                    self._drop(sel, conns, conn)       # too slow: dropped unanswered
-        finally:
-            for conn in list(conns.values()):
-                self._drop(sel, conns, conn)
-            sel.close()
-            self._stopped.set()
+def serve_metrics(metrics: Metrics, port: int = 0) -> tuple[WSGIServer, int]:
+    """Serve ``metrics.registry`` over HTTP on 127.0.0.1 (``port`` 0: any free port) from a
+    daemon thread, as prometheus_client's ``start_wsgi_server`` does: its WSGI app
+    (``make_wsgi_app``) on its thread-per-request server, in the classic text format whatever
+    is asked (:func:`classic_text_only`). Each scrape collects the registry under its lock
+    (:class:`StepRegistry`: never half a step) and renders it in its own thread, so a slow
+    client holds only its own thread. prometheus_client's app answers any path but
+    ``/favicon.ico`` and only ``GET`` (and ``OPTIONS``); wsgiref answers a malformed request
+    with a 400 and goes on serving.
 
-    def _accept(self, sel: selectors.BaseSelector, conns: dict[int, _Connection]) -> None:
-        """Accept every connection waiting in the backlog, and serve each at once: its request
-        is usually there already, and then it is answered and closed without ever entering
-        the selector (four socket calls in all)."""
-        deadline = time.monotonic() + self.request_deadline_s
-        while True:
-            try:
-                sock, _ = self.socket.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:                    # e.g. out of file descriptors: try later
-                return
-            if not _DONTWAIT:
-                sock.setblocking(False)
-            conn = _Connection(sock, deadline)
-            conns[sock.fileno()] = conn
-            self._serve(sel, conns, conn)
-
-    def _serve(self, sel: selectors.BaseSelector, conns: dict[int, _Connection],
-               conn: _Connection) -> None:
-        """Read more of the request, send more of the answer, or drain, whichever is due;
-        what would block waits in the selector (never in a socket call: each is
-        ``MSG_DONTWAIT``).
-
-        Closing a socket with unread bytes resets the connection, and a reset can destroy
-        the answer before the client read it: when the client sent more than its head (a
-        body, or a head cut at ``max_head_bytes``), the answer is followed by a half-close
-        and the rest is read and dropped until the client closes (or its deadline)."""
-        try:
-            if not conn.out:
-                if conn.draining:
-                    if not conn.sock.recv(65536, _DONTWAIT):
-                        self._drop(sel, conns, conn)
-                    return
-                got = conn.sock.recv(self.max_head_bytes + 1, _DONTWAIT)
-                if not got:                    # the client left before its request ended
-                    self._drop(sel, conns, conn)
-                    return
-                conn.head += got
-                end = conn.head.find(b"\r\n\r\n")
-                if end < 0 and len(conn.head) <= self.max_head_bytes:
-                    self._wait(sel, conn, selectors.EVENT_READ)   # more to come
-                    return
-                conn.out = self._answer(conn.head, end)
-                conn.draining = end < 0 or len(conn.head) > end + 4   # more than the head
-            sent = conn.sock.send(conn.out, _DONTWAIT)
-            conn.out = conn.out[sent:]
-            if conn.out:                       # the rest when the client's window opens
-                self._wait(sel, conn, selectors.EVENT_WRITE)
-                return
-            if not conn.draining:
-                self._drop(sel, conns, conn)
-                return
-            conn.sock.shutdown(socket.SHUT_WR)
-            self._wait(sel, conn, selectors.EVENT_READ)
-        except (BlockingIOError, InterruptedError):
-            self._wait(sel, conn, selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ)
-        except OSError:                        # reset by the client: nothing to answer
-            self._drop(sel, conns, conn)
-
-    @staticmethod
-    def _wait(sel: selectors.BaseSelector, conn: _Connection, event: int) -> None:
-        """Let ``conn`` wait in the selector for ``event`` (registered on first need only)."""
-        if conn.event == event:
-            return
-        if conn.event:
-            sel.modify(conn.sock, event)
-        else:
-            sel.register(conn.sock, event)
-        conn.event = event
-
-    def _answer(self, head: bytes, end: int) -> bytes:
-        """The whole answer to a request head (``end``: where its blank line is, -1 if the
-        head was cut at ``max_head_bytes``)."""
-        if end < 0:
-            return self._response("431 Request Header Fields Too Large", b"request head too "
-                                  b"large\n")
-        parts = head[:head.find(b"\r\n")].split()
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-            return self._response("400 Bad Request", b"bad request line\n")
-        method, target = parts[0], parts[1]
-        if urlsplit(target).path not in (b"/", b"/metrics"):
-            return self._response("404 Not Found", b"not found: only /metrics is served\n")
-        if method not in (b"GET", b"HEAD"):
-            return self._response("405 Method Not Allowed", b"only GET and HEAD\n",
-                                  extra="Allow: GET, HEAD\r\n")
-        return self._response("200 OK", self.page(), CLASSIC_TEXT, head_only=method == b"HEAD")
-
-    @staticmethod
-    def _response(status: str, body: bytes, ctype: str = "text/plain; charset=utf-8",
-                  extra: str = "", head_only: bool = False) -> bytes:
-        head = (f"HTTP/1.1 {status}\r\nDate: {formatdate(usegmt=True)}\r\n"
-                f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
-                f"Connection: close\r\n\r\n").encode("ascii")
-        return head if head_only else head + body
-
-    @staticmethod
-    def _drop(sel: selectors.BaseSelector, conns: dict[int, _Connection],
-              conn: _Connection) -> None:
-        conns.pop(conn.sock.fileno(), None)
-        if conn.event:
-            sel.unregister(conn.sock)
-            conn.event = 0
-        conn.sock.close()
-
-    # ------------------------------------------------------------------ control
-    def shutdown(self) -> None:
-        """Stop :meth:`serve_forever` and wait until it has returned (open connections are
-        closed unanswered)."""
-        self._stop.set()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        self._stopped.wait()
-
-    def server_close(self) -> None:
-        """Free the port (after :meth:`shutdown`)."""
-        self.socket.close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-
-def serve_metrics(metrics: Metrics, port: int = 0) -> tuple[MetricsServer, int]:
-    """Serve ``/metrics`` (classic text format, see :class:`MetricsServer`) on 127.0.0.1 (port
-    0: any free port) from a daemon thread: each scrape answers
-    :meth:`Metrics.exposition`, rendered once per change, never waiting for a step; a slow
-    client holds no other scrape. Returns the server (``server.shutdown()`` stops it,
-    ``server.server_close()`` frees the port) and the port. A port in use raises
-    ``OSError``."""
-    server = MetricsServer(port, metrics.exposition)
+    Returns the server (``server.shutdown()`` stops it, ``server.server_close()`` frees the
+    port) and the port. A port in use raises ``OSError``."""
+    app = classic_text_only(make_wsgi_app(metrics.registry))
+    server = make_server("127.0.0.1", port, app, _MetricsServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True).start()
     return server, server.server_port

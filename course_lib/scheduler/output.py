@@ -33,14 +33,7 @@ class ScheduledSeq:
 @dataclass
 class KVConnectorMetadata:
     """One step's transfers, built by the scheduler side, read by the worker side (plain data:
-    in vLLM it crosses a process boundary). Subclasses add their fields.
-
-    ``gpu_blocks_written()``: the GPU blocks the worker side writes this step (loads). The
-    step's transaction backs up those whose contents mattered when it began, so that a failed
-    step puts them back (``engine/rollback.py``'s blocks at risk)."""
-
-    def gpu_blocks_written(self) -> list[int]:
-        return []
+    in vLLM it crosses a process boundary). Subclasses add their fields."""
 
 
 @dataclass

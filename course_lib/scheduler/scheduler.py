@@ -3,7 +3,7 @@
 The shape of vLLM V0's ``Scheduler`` (``vllm/core/scheduler.py``: ``_schedule_running`` /
 ``_schedule_swapped`` / ``_schedule_prefills`` / ``_preempt``), simplified, in one class that
 reads top to bottom: construction, :meth:`Scheduler.schedule` and its passes, preemption,
-:meth:`Scheduler.update`, the request queues, the step's checkpoint, ``check_invariants``.
+:meth:`Scheduler.update`, the request queues, ``check_invariants``.
 
 One step is two calls. :meth:`Scheduler.schedule` decides the batch:
 
@@ -21,9 +21,8 @@ sequences (the loop it shares with the V1 scheduler is ``output_processor.apply_
 Contract with the engine that executes a :class:`SchedulerOutput`: run
 ``blocks_to_swap_out`` first (the freed GPU blocks may be reused in the same step), then
 ``blocks_to_swap_in`` and ``blocks_to_copy``, then the forward pass; then call ``update`` with
-the sampled tokens. A step is all or nothing: :meth:`Scheduler.begin` hands the scheduler the
-step's :class:`~course_lib.checkpoint.Checkpoint`, which saves what the step changes
-(``engine/rollback.py`` lists the rest: the block manager's parts).
+the sampled tokens. The scheduler holds no recovery code: if a step fails, the engine throws
+this scheduler away and builds a new one, every request recomputed (``engine/recovery.py``).
 
 Collaborators, each in its own module: the knobs (``config.py``), the budget and the victim
 policies (``policy.py``), room checks and never-fit reasons (``admission.py``), the plain
@@ -38,7 +37,6 @@ from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
-from ..checkpoint import Checkpoint
 from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..memory.common import AllocStatus
 from ..memory.v0.fast import FastBlockManager
@@ -47,7 +45,6 @@ from . import admission as checks
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_step
 from .policy import SchedulingBudget, VictimPolicy, last_arrived_first
-from .waiting import WaitingQueue
 
 __all__ = ["Scheduler"]
 
@@ -63,11 +60,7 @@ class Scheduler:
 
     Reading order: construction; ``schedule`` and its ``_schedule_*`` passes; ``_preempt``;
     ``update``; the queues (``add_request``, ``abort_request``, ``finish_request``, ``_finish``);
-    ``begin`` (the step's checkpoint); ``check_invariants``."""
-
-    #: not copied by a step's checkpoint: the waiting queue logs its moves instead (it holds
-    #: every request not admitted yet), and the checkpoint itself
-    __rollback_skip__ = ("waiting", "checkpoint")
+    ``check_invariants``."""
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
@@ -81,15 +74,14 @@ class Scheduler:
                                               cc.num_cpu_blocks, cc.watermark,
                                               cc.enable_prefix_caching)
         self.victim_policy = victim_policy
-        self.waiting: WaitingQueue = WaitingQueue()   # of Requests; a step's moves logged
+        self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_steps = 0
         self.num_preemptions = 0           # vllm:num_preemptions_total
         self.num_prompt_tokens = 0         # vllm:prompt_tokens_total (recomputed ones included)
         self.num_generated_tokens = 0      # vllm:generation_tokens_total
-        self._next_seq_id = 0
-        self.checkpoint: Checkpoint | None = None      # the running step's: see begin
+        self.next_seq_id = 0               # the id the next new sequence gets
 
     # ------------------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -212,12 +204,11 @@ class Scheduler:
         bm, cfg = self.block_manager, self.config
         while self.waiting:
             req = self.waiting[0]
-            self.save_request(req)                  # ignored or admitted below: the step changes it
             seqs = req.unfinished_seqs
             status = checks.can_allocate(bm, req, seqs)
             reason = checks.never_fits(cfg, bm, req, status)
             if reason is not None:
-                self.waiting.pop_front()
+                self.waiting.popleft()
                 self._finish(req, S.FINISHED_IGNORED, reason)
                 out.ignored.append(req)
                 continue
@@ -228,7 +219,7 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and \
                     seqs[0].prefill_target > budget.remaining_tokens:
                 break
-            self.waiting.pop_front()
+            self.waiting.popleft()
             shares = bm.allocate_group(
                 [(s.seq_id, t) for s, t in zip(seqs, checks.prefill_tokens(seqs), strict=True)],
                 checks.salt(req))
@@ -259,7 +250,7 @@ class Scheduler:
             bm.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = S.WAITING
-        self.waiting.push_front(req)                    # first in line when room comes back
+        self.waiting.appendleft(req)                    # first in line when room comes back
         out.preempted.append((req.request_id, "recompute"))
 
     # --------------------------------------------------------------------------- update
@@ -304,8 +295,8 @@ class Scheduler:
 
     def new_seq_id(self) -> int:
         """A fresh sequence id: a request's first sequence, a forked sample or beam."""
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
+        self.next_seq_id += 1
+        return self.next_seq_id - 1
 
     def abort_request(self, request_id: int) -> bool:
         """Finish a request wherever it is, freeing its blocks; False if it is not here."""
@@ -314,16 +305,9 @@ class Scheduler:
     def finish_request(self, request_id: int, status: SequenceStatus, detail: str) -> bool:
         """Take a request out of its queue and finish it with ``status`` (``detail``: why),
         freeing its blocks; False if it is not queued here."""
-        for i, req in enumerate(self.waiting):
-            if req.request_id == request_id:
-                self.save_request(req)
-                self.waiting.remove_at(i)
-                self._finish(req, status, detail)
-                return True
-        for queue in (self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped):
             for req in queue:
                 if req.request_id == request_id:
-                    self.save_request(req)
                     queue.remove(req)
                     self._finish(req, status, detail)
                     return True
@@ -344,27 +328,6 @@ class Scheduler:
                 self.block_manager.free(seq.seq_id)
             seq.status = status
         req.finish_reason, req.finish_detail = status.finish_reason, detail
-
-    # ------------------------------------------------------------ the step's checkpoint
-    def begin(self, checkpoint: Checkpoint) -> None:
-        """A step begins; ``checkpoint`` will put back what it changes if it fails: the
-        scheduler's own fields (running and swapped lists, counters), the waiting queue's
-        moves (logged, never copied), and the running and swapped requests with their
-        sequences. A waiting request is saved only when the step first touches it
-        (:meth:`save_request`: admitted or ignored), so the cost grows with the batch, never with
-        the waiting queue. The block manager's parts are the engine's to touch
-        (``engine/rollback.py``)."""
-        self.checkpoint = checkpoint
-        checkpoint.touch(self)
-        checkpoint.watch(self.waiting)
-        for req in (*self.running, *self.swapped):
-            self.save_request(req)
-
-    def save_request(self, req: Request) -> None:
-        """Save a request and its sequences before the running step first changes them
-        (nothing outside a step)."""
-        if self.checkpoint is not None and not self.checkpoint.closed:
-            self.checkpoint.touch(req, *req.seqs)
 
     # --------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:

@@ -38,12 +38,11 @@ through the manager's ``free_delay``), until ``get_finished`` reports it done se
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
-from functools import partial
 from typing import TYPE_CHECKING
 
-from ..checkpoint import Checkpoint
 from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..memory.radix.kv_cache_manager import RadixKVCacheManager
 from ..memory.v1.kv_cache_manager import KVCacheManager
@@ -51,7 +50,6 @@ from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from ..sizing.units import cdiv
 from .output import ScheduledSeq, SchedulerOutput
 from .output_processor import apply_step
-from .waiting import WaitingQueue
 
 if TYPE_CHECKING:
     from .kv_connector import KVConnectorScheduler
@@ -64,10 +62,6 @@ class SchedulerV1:
     :class:`~course_lib.memory.v1.kv_cache_manager.KVCacheManager` (see above), or over
     SGLang's radix tree with ``CacheConfig(prefix_cache="radix")``."""
 
-    #: not copied by a step's checkpoint: the waiting queue and the map of requests log what
-    #: a step changes in them (they hold every request), and the checkpoint itself
-    __rollback_skip__ = ("waiting", "requests", "checkpoint")
-
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
@@ -77,16 +71,15 @@ class SchedulerV1:
         self.kv_cache_manager = manager(cc.block_size, cc.num_gpu_blocks,
                                         cc.enable_prefix_caching, cc.watermark)
         self.block_manager = self.kv_cache_manager   # the name the engine and metrics read
-        self.waiting: WaitingQueue = WaitingQueue()  # of Sequences; a step's moves logged
+        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []            # V1 never swaps: always empty
         self.requests: dict[int, Request] = {}       # seq_id -> its request
         self.num_steps = self.num_preemptions = 0
         self.num_prompt_tokens = self.num_generated_tokens = 0
-        self._next_seq_id = 0
+        self.next_seq_id = 0                         # the id the next new sequence gets
         self.preempted: set[int] = set()             # seq ids preempted since admitted
-        self.checkpoint: Checkpoint | None = None      # the running step's: see begin
-        # the KV connector (module docstring); its objects are the step's too (rollback.py)
+        # the KV connector (module docstring)
         self.kv_connector = kv_connector
         self.waiting_for_remote: list[Sequence] = []   # WAITING_FOR_REMOTE_KVS, blocks held
         #                               (vLLM's kv_holding_waiting; counted as waiting)
@@ -118,16 +111,10 @@ class SchedulerV1:
                              f"model length of {max_len}. {suggestion} (prompt + requested "
                              f"output tokens).")
 
-    def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
-                    sampling_params: SamplingParams | None = None,
-                    arrival_time: float = 0.0, cache_salt: str | None = None,
-                    kv_transfer_params: dict | None = None) -> Request:
-        """Queue a request as ``n`` child sequences (``ValueError`` changes nothing; a prompt
-        too long for the model is refused here, see :meth:`check_prompt_len`).
-        ``kv_transfer_params``: the KV connector's parameters for this request (vLLM's
-        ``Request.kv_transfer_params``), for a request of one sequence."""
-        params = sampling_params or SamplingParams()
-        self.check_prompt_len(len(prompt_token_ids))
+    def check_request(self, params: SamplingParams, kv_transfer_params: dict | None) -> None:
+        """Refuse, at the door, what this core cannot run: beam search (vLLM runs it outside
+        the core, as ``LLM.beam_search``), or ``kv_transfer_params`` without a KV connector or
+        for a request of several sequences."""
         if kv_transfer_params is not None:
             if self.kv_connector is None:
                 raise ValueError("kv_transfer_params were given but the engine has no KV "
@@ -139,20 +126,32 @@ class SchedulerV1:
             raise ValueError("the V1 core runs no beam search (vLLM runs it outside, as "
                              "LLM.beam_search): use course_lib.engine.beam_search.beam_search, "
                              "or the V0 design")
+
+    def add_request(self, request_id: int, prompt_token_ids: SequenceABC[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float = 0.0, cache_salt: str | None = None,
+                    kv_transfer_params: dict | None = None) -> Request:
+        """Queue a request as ``n`` child sequences (``ValueError`` changes nothing; a prompt
+        too long for the model is refused here, see :meth:`check_prompt_len`).
+        ``kv_transfer_params``: the KV connector's parameters for this request (vLLM's
+        ``Request.kv_transfer_params``), for a request of one sequence."""
+        params = sampling_params or SamplingParams()
+        self.check_prompt_len(len(prompt_token_ids))
+        self.check_request(params, kv_transfer_params)
         req = Request(request_id, tuple(prompt_token_ids), params, arrival_time,
                       cache_salt=cache_salt)
         for index in range(params.n):
-            seq = Sequence(self._next_seq_id + index, req.prompt_token_ids, index)
+            seq = Sequence(self.next_seq_id + index, req.prompt_token_ids, index)
             seq.kv_transfer_params = kv_transfer_params
             req.seqs.append(seq)
             self.requests[seq.seq_id] = req
             self.waiting.append(seq)
-        self._next_seq_id += params.n
+        self.next_seq_id += params.n
         return req
 
     def new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
+        self.next_seq_id += 1
+        return self.next_seq_id - 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_remote)
@@ -178,15 +177,12 @@ class SchedulerV1:
         elif seq in self.waiting_for_remote:
             self.waiting_for_remote.remove(seq)
         elif self.waiting and self.waiting[0] is seq:
-            self.waiting.pop_front()                # ignored at the head of the queue
+            self.waiting.popleft()                  # ignored at the head of the queue
         elif seq in self.waiting:                   # finished from the queue between steps
-            self.waiting.remove_at(self.waiting.index(seq))
+            self.waiting.remove(seq)
         if self.kv_connector is not None:
             seq.status = status                     # request_finished is asked when it frees
         self.kv_cache_manager.forget(seq.seq_id)
-        req = self.requests.get(seq.seq_id)
-        if req is not None and self._in_step():   # the undo first, then the change
-            self.checkpoint.on_rollback(partial(self.requests.__setitem__, seq.seq_id, req))
         self.requests.pop(seq.seq_id, None)
         self.preempted.discard(seq.seq_id)
         seq.status = status
@@ -239,7 +235,7 @@ class SchedulerV1:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.preempted.add(seq.seq_id)
-        self.waiting.push_front(seq)
+        self.waiting.appendleft(seq)
         out.preempted.append((req.request_id, "recompute"))
 
     def _never_fits(self, seq: Sequence) -> str | None:
@@ -258,7 +254,6 @@ class SchedulerV1:
         while self.waiting and budget > 0 and \
                 len(self.running) + len(self.waiting_for_remote) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            self.save_request(self.requests[seq.seq_id])    # admitted or ignored below
             req = self.requests[seq.seq_id]
             reason = self._never_fits(seq)
             if reason is not None:
@@ -286,7 +281,7 @@ class SchedulerV1:
                                      delay_cache_blocks=load_async)
             if ids is None:
                 break
-            self.waiting.pop_front()
+            self.waiting.popleft()
             # vLLM counts a re-admission after a preemption apart (PrefixCacheStats.record)
             kvm.record_prefix_cache_stats(len(seq), num_hit,
                                           preempted=seq.seq_id in self.preempted)
@@ -346,7 +341,6 @@ class SchedulerV1:
             ids = kvm.req_to_block_ids[seq.seq_id]
             bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), None)
             if bad is not None and bad * bs < seq.num_computed_tokens:
-                self.save_request(self.requests[seq.seq_id])
                 seq.num_computed_tokens = bad * bs
 
     def _update_waiting_for_remote_kv(self) -> None:
@@ -356,7 +350,6 @@ class SchedulerV1:
         gives them their remaining tokens."""
         done, kvm = self.finished_recving_kv_req_ids, self.kv_cache_manager
         for seq in [s for s in self.waiting_for_remote if s.seq_id in done]:
-            self.save_request(self.requests[seq.seq_id])
             kvm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             self.waiting_for_remote.remove(seq)
             seq.status = S.RUNNING
@@ -373,7 +366,6 @@ class SchedulerV1:
             return False
         delay, params = self.kv_connector.request_finished(seq, block_ids)
         if params is not None:                  # for the request's output (vLLM's too)
-            self.save_request(req)
             req.kv_transfer_output = params
         return delay
 
@@ -395,29 +387,7 @@ class SchedulerV1:
             if e.seq.is_finished:                     # apply_samples freed its blocks
                 self._finish_seq(e.seq, e.seq.status)
 
-    # ------------------------------------------------------------ the step's checkpoint
-    def begin(self, checkpoint: Checkpoint) -> None:
-        """A step begins; ``checkpoint`` will put back what it changes if it fails (as the
-        V0 ``Scheduler.begin``): the scheduler's own fields, the waiting queue's moves and
-        the entries the step takes out of ``requests`` (logged, never copied: both hold every
-        request), and the running sequences' requests. A waiting sequence's request is saved
-        only when the step first touches it (:meth:`save_request`). The KV-cache manager's parts are
-        the engine's to touch (``engine/rollback.py``)."""
-        self.checkpoint = checkpoint
-        checkpoint.touch(self)
-        checkpoint.watch(self.waiting)
-        for seq in self.running:
-            self.save_request(self.requests[seq.seq_id])
-
-    def _in_step(self) -> bool:
-        return self.checkpoint is not None and not self.checkpoint.closed
-
-    def save_request(self, req: Request) -> None:
-        """Save a request and its sequences before the running step first changes them
-        (nothing outside a step)."""
-        if self._in_step():
-            self.checkpoint.touch(req, *req.seqs)
-
+    # --------------------------------------------------------------------------- checks
     def check_invariants(self) -> None:
         """Running sequences hold blocks for their computed tokens, waiting ones none, no
         table belongs to no queue; and the KV-cache manager's own invariants."""

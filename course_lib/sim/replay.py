@@ -288,9 +288,8 @@ def replay(trace: Sequence[TraceRequest], scheduler_config: SchedulerConfig | No
             tuple((e.request.request_id, e.num_tokens, e.is_prefill) for e in out.scheduled)
             if record_batches else (), tuple(out.preempted), usage.sharing_saving))
         if metrics is not None:
-            metrics.update(sched)
-            metrics.observe_step([e.request for e in out.scheduled if e.num_candidates], now)
-            metrics.observe_finished(finished)
+            metrics.record_step(sched, [e.request for e in out.scheduled if e.num_candidates],
+                                finished, now)
         bar.update(len(finished))
         if len(steps) >= max_steps:
             raise RuntimeError(f"replay stopped after max_steps={max_steps} steps")

@@ -19,7 +19,9 @@ import ipywidgets as widgets
 
 from course_lib.memory.common import AllocStatus
 from course_lib.memory.v0.manager import BlockManager
-from course_lib.sizing.units import cdiv
+from course_lib.memory.v0.prefix_cache import HASH_FUNCTIONS
+from course_lib.sizing.blocks import check_block_size
+from course_lib.sizing.units import cdiv, check_int
 from course_lib.viz.blocks import draw_pool_and_tables
 from course_lib.viz.readable import EXPLORER_DPI, figure_png
 
@@ -44,6 +46,12 @@ class Scenario:
     block_size: int
     num_gpu_blocks: int
     steps: tuple[tuple[Op, ...], ...]
+
+    def __post_init__(self) -> None:
+        """A door: the block manager it drives trusts its caller, so the sizes are checked
+        here (``ValueError`` naming the value)."""
+        check_block_size(self.block_size)
+        check_int("num_gpu_blocks", self.num_gpu_blocks, 1)
 
 
 def default_scenario() -> Scenario:
@@ -198,6 +206,11 @@ class PrefixCacheSession:
 
     def __init__(self, block_size: int = 4, num_gpu_blocks: int = 16,
                  hash_algo: str = "sha256") -> None:
+        check_block_size(block_size)             # a door: the manager trusts its caller
+        check_int("num_gpu_blocks", num_gpu_blocks, 1)
+        if hash_algo not in HASH_FUNCTIONS:
+            raise ValueError(f"hash_algo must be one of {sorted(HASH_FUNCTIONS)}, got "
+                             f"{hash_algo!r}")
         self.manager = BlockManager(block_size, num_gpu_blocks, watermark=0.0,
                                     enable_prefix_caching=True,
                                     prefix_caching_hash_algo=hash_algo)

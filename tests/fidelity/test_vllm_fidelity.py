@@ -174,3 +174,19 @@ def test_pool_errors_and_usage_match_vllms(vllm):
     assert got[1] == [i + 1 for i in got[0]]
     assert course.get_usage() == real.get_usage() == 0.75
     assert course.reset_prefix_cache() is real.reset_prefix_cache() is False
+
+
+def test_freeing_a_block_nobody_holds_is_vllms(vllm):
+    """``free_blocks`` of a block freed already: both pools drive its ref count to -1 and
+    leave it out of the queue (neither checks its caller; the course's ``check_invariants``
+    then fails)."""
+    course = course_pool.BlockPool(2)
+    real = vllm.block_pool.BlockPool(3, enable_caching=True, hash_block_size=4)
+    blocks = [p.get_new_blocks(1)[0] for p in (course, real)]
+    for pool, block in zip((course, real), blocks, strict=True):
+        pool.free_blocks([block])
+        pool.free_blocks([block])
+    assert [b.ref_cnt for b in blocks] == [-1, -1]
+    assert course.get_num_free_blocks() == real.get_num_free_blocks() == 2
+    with pytest.raises(AssertionError):
+        course.check_invariants()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def append_slots(bm, seq_id, token_ids):
     table = bm.get_table(seq_id)
-    blocks = table.writable_blocks()
+    blocks = table.blocks
     bs, n = bm.block_size, len(table.token_ids)
     copies = []
     if n % bs != 0 and bm.gpu.ref_counts[blocks[-1]] > 1:   # shared and partial: copy it

@@ -83,7 +83,7 @@ class RadixKVCacheManager(V1ManagerBase):
         return self.pool.num_free_blocks + self.tree.evictable_size() // self.block_size
 
     def get_block_table(self, seq_id: int) -> list[int]:
-        return list(self._blocks_of(seq_id))
+        return list(self.req_to_blocks[seq_id])
 
     def _namespace(self, seq_id: int) -> Hashable:
         salt = self.salts.get(seq_id)               # typed: 1, True and 1.0 never share
@@ -128,14 +128,11 @@ class RadixKVCacheManager(V1ManagerBase):
         bs, tree = self.block_size, self.tree
         blocks = self.req_to_blocks.get(seq_id)
         hits = list(new_computed_blocks)
-        total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens, len(hits) * bs,
-                                     num_new_tokens)
+        total = num_computed_tokens + len(hits) * bs + num_new_tokens
         num_new = cdiv(total, bs) - len(hits) - (len(blocks) if blocks is not None else 0)
         unlocked = 0
-        if hits:
-            found, unlocked = self._peek(token_ids[:len(hits) * bs], self._namespace(seq_id))
-            if found != hits:
-                raise ValueError(f"seq {seq_id}: {hits} are not the cached prefix {found}")
+        if hits:                                     # hits no sequence holds are not free
+            _, unlocked = self._peek(token_ids[:len(hits) * bs], self._namespace(seq_id))
         reserve = self.watermark_blocks if admission else 0
         if num_new + unlocked > self.num_free_gpu_blocks - reserve:
             return None
@@ -166,9 +163,6 @@ class RadixKVCacheManager(V1ManagerBase):
         holding no blocks, or when no new full block was computed."""
         if not self.enable_caching or seq_id not in self.req_to_blocks:
             return
-        if not 0 <= num_computed_tokens <= min(self.num_slots[seq_id], len(token_ids)):
-            raise ValueError(f"seq {seq_id}: {num_computed_tokens} computed tokens, it holds "
-                             f"{self.num_slots[seq_id]} slots and has {len(token_ids)} tokens")
         bs = self.block_size
         done = self.num_cached_block.get(seq_id, 0)
         num_full = num_computed_tokens // bs
@@ -244,7 +238,6 @@ class RadixKVCacheManager(V1ManagerBase):
         unlock its cached prefix (it stays in the tree, evictable): SGLang's
         ``release_kv_cache``. What it computed in full blocks is in the tree already
         (:meth:`cache_computed` ran after each of its steps), so nothing is inserted here."""
-        self._blocks_of(seq_id)                      # raises if it holds none
         blocks = self.req_to_blocks.pop(seq_id)
         cached = self.num_cached_block.pop(seq_id, 0)
         self.pool.free(self._slots(blocks[cached:]))

@@ -45,13 +45,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING
 
 from .allocator import SlotPool
-
-if TYPE_CHECKING:
-    from ...checkpoint import Checkpoint
 
 
 class TreeNode:
@@ -72,23 +67,12 @@ class TreeNode:
 
 
 class RadixCache:
-    """A radix tree of cached prefixes over a :class:`SlotPool` (see the module docstring).
-
-    While an engine step runs, ``checkpoint`` holds the step's checkpoint
-    (``course_lib/checkpoint.py``): the tree saves each node just before it first changes it
-    (:meth:`_save`) and logs how to undo each change of ``evictable_leaves``, so that a failed
-    step is undone at the cost of the nodes it touched, not of the tree."""
-
-    #: not copied by a step's checkpoint: the set of leaves (each change is logged), and the
-    #: checkpoint itself
-    __rollback_skip__ = ("evictable_leaves", "checkpoint")
+    """A radix tree of cached prefixes over a :class:`SlotPool` (see the module docstring)."""
 
     def __init__(self, num_slots: int, page_size: int = 1, pool: SlotPool | None = None) -> None:
         """``pool``: where slots come from and go back to (default: a :class:`SlotPool` of
         ``num_slots``); anything with ``alloc``, ``free``, ``available_size`` and
         ``free_slots``, e.g. whole KV-cache blocks (``allocator.BlockSlotPool``)."""
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
         self.pool = pool if pool is not None else SlotPool(num_slots)
         self.root = TreeNode()
@@ -97,14 +81,6 @@ class RadixCache:
         self.protected_size_ = 0          # tokens in locked nodes
         self.evictable_leaves: set[TreeNode] = set()
         self._clock = 0
-        self.checkpoint: Checkpoint | None = None
-
-    def _save(self, *nodes: TreeNode) -> None:
-        """Before a change a failed engine step must undo: hand the nodes to the step's
-        checkpoint, if one is open (outside an engine step: one test of an attribute)."""
-        checkpoint = self.checkpoint
-        if checkpoint is not None and not checkpoint.closed:
-            checkpoint.touch(*nodes)
 
     # ------------------------------------------------------------------------- keys
     def _child_key(self, tokens: Sequence[int], extra_key: Hashable) -> Hashable:
@@ -139,13 +115,11 @@ class RadixCache:
         where it ends (split there if it ends inside an edge)."""
         tokens = tuple(token_ids[:len(token_ids) - len(token_ids) % self.page_size])
         node, value, now = self.root, [], self._tick()
-        self._save(node)
         node.last_access_time = now
         while tokens:
             child = node.children.get(self._child_key(tokens, extra_key))
             if child is None:
                 break
-            self._save(child)
             child.last_access_time = now
             n = self._match_len(child.key, tokens)
             if n < len(child.key):
@@ -180,7 +154,6 @@ class RadixCache:
         """Cut ``child``'s edge after ``n`` tokens: a new node holds the first part."""
         new = TreeNode(child.key[:n], child.value[:n], child.parent, extra_key)
         new.lock_ref, new.last_access_time = child.lock_ref, self._tick()   # stamped when made
-        self._save(child, child.parent)
         child.parent.children[self._child_key(child.key, extra_key)] = new
         child.key, child.value, child.parent = child.key[n:], child.value[n:], new
         new.children[self._child_key(child.key, extra_key)] = child
@@ -190,9 +163,7 @@ class RadixCache:
                extra_key: Hashable = None) -> int:
         """Cache ``token_ids`` with their slots ``value`` (whole pages). Returns how many
         leading tokens were cached already: the caller's slots for those are duplicates,
-        for it to free (the tree keeps its own)."""
-        if len(value) != len(token_ids):
-            raise ValueError(f"one slot per token: {len(token_ids)} tokens, {len(value)} slots")
+        for it to free (the tree keeps its own). One slot per token."""
         n_pages = len(token_ids) - len(token_ids) % self.page_size
         done, _, _ = self.insert_below(self.root, tuple(token_ids[:n_pages]),
                                        list(value[:n_pages]), extra_key)
@@ -212,13 +183,11 @@ class RadixCache:
             if child is None:
                 new = TreeNode(tokens, value, node, extra_key)
                 new.last_access_time = self._tick()          # stamped when made
-                self._save(node)
                 node.children[self._child_key(tokens, extra_key)] = new
                 self.evictable_size_ += len(tokens)
                 self._update_leaf_status(node)
                 self._update_leaf_status(new)
                 return done, cached, new
-            self._save(child)
             child.last_access_time = now
             n = self._match_len(child.key, tokens)
             if n < len(child.key):
@@ -232,7 +201,6 @@ class RadixCache:
         """Give ``node`` and every node above it, the root included, the access time ``now``
         (what :meth:`match_prefix` of the path's tokens leaves)."""
         while node is not None:
-            self._save(node)
             node.last_access_time = now
             node = node.parent
 
@@ -243,7 +211,6 @@ class RadixCache:
         only the nodes below it are counted, as ``dec_lock_ref(above)`` then
         ``inc_lock_ref(node)`` would leave them."""
         while node is not self.root and node is not above:
-            self._save(node)
             if node.lock_ref == 0:
                 self.evictable_size_ -= len(node.key)
                 self.protected_size_ += len(node.key)
@@ -253,9 +220,7 @@ class RadixCache:
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
-            if node.lock_ref < 1:
-                raise ValueError("dec_lock_ref on a node that is not locked")
-            self._save(node)
+            assert node.lock_ref > 0, "dec_lock_ref on a node that is not locked"
             if node.lock_ref == 1:
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
@@ -264,21 +229,12 @@ class RadixCache:
             node = node.parent
 
     def _update_leaf_status(self, node: TreeNode) -> None:
-        self._set_leaf(node, node is not self.root and node.lock_ref == 0 and not node.children)
-
-    def _set_leaf(self, node: TreeNode, evictable: bool) -> None:
-        """Put ``node`` in ``evictable_leaves`` or take it out (a step's checkpoint logs how
-        to undo it, with the set's own methods)."""
-        leaves = self.evictable_leaves
-        if (node in leaves) == evictable:
-            return
-        checkpoint = self.checkpoint
-        if checkpoint is not None and not checkpoint.closed:
-            checkpoint.on_rollback(partial(leaves.discard if evictable else leaves.add, node))
-        if evictable:
-            leaves.add(node)
+        """``node`` is in ``evictable_leaves`` exactly while it is an unlocked leaf (SGLang
+        0.5.23's ``_update_leaf_status``, ``srt/mem_cache/radix_cache.py``)."""
+        if node is not self.root and node.lock_ref == 0 and not node.children:
+            self.evictable_leaves.add(node)
         else:
-            leaves.discard(node)
+            self.evictable_leaves.discard(node)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots (if possible) by removing unlocked leaves, least
@@ -295,9 +251,8 @@ class RadixCache:
             self.pool.free(leaf.value)
             freed += len(leaf.value)
             parent = leaf.parent
-            self._save(parent)
             del parent.children[self._child_key(leaf.key, leaf.extra_key)]
-            self._set_leaf(leaf, False)
+            self.evictable_leaves.discard(leaf)
             self.evictable_size_ -= len(leaf.key)
             self._update_leaf_status(parent)
             if parent in self.evictable_leaves:

@@ -26,17 +26,7 @@ def common_full_blocks(a: Sequence[int], b: Sequence[int], block_size: int) -> i
 
 @dataclass(eq=False, slots=True)
 class BlockTable:
-    """Plain state of one sequence in the block manager (the manager mutates it).
-
-    Its three lists only grow at the end within a step: tokens and hashes are appended,
-    blocks appended or, on a copy-on-write, the last one replaced in place; a swap or a
-    free takes the whole list out, leaving the old one as it was. So a step's checkpoint
-    saves each by its length and last item (``__rollback_append_only__``,
-    ``course_lib/checkpoint.py``), O(1) per table, never a copy that grows with the
-    sequence. A method that writes an earlier item, or shrinks a list, breaks that
-    contract (``tests/test_checkpoint.py`` rolls random V0 calls back and would see it)."""
-
-    __rollback_append_only__ = ("blocks", "token_ids", "block_hashes")
+    """Plain state of one sequence in the block manager (the manager mutates it)."""
 
     seq_id: int
     block_size: int
@@ -57,9 +47,7 @@ class BlockTable:
         return len(self.token_ids) // self.block_size
 
     def slot(self, position: int) -> int:
-        """Flat cache slot of token ``position`` (0-based)."""
-        if not 0 <= position < len(self.token_ids):
-            raise ValueError(f"position must be in [0, {len(self.token_ids)}), got {position}")
+        """Flat cache slot of token ``position`` (0-based, below ``num_tokens``)."""
         bs = self.block_size
         return self.blocks[position // bs] * bs + position % bs
 
@@ -67,21 +55,6 @@ class BlockTable:
         """Slots of tokens ``start..num_tokens-1`` in order (one decode step: the last one)."""
         bs, blocks = self.block_size, self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, len(self.token_ids))]
-
-    def hand_out(self) -> list[int]:
-        """The block ids without a copy, for a reader that holds them for one step (the
-        scheduler's ``ScheduledSeq.block_ids``): the table's own list, which the sequence's
-        next change extends in place. The reader reads it before that change, or copies it
-        (the contract of V1's ``allocate_slots``, ``memory/v1/kv_cache_manager.py``): so a
-        decode step costs the same at any length, where a copy before each change would
-        cost O(blocks) for every block the sequence fills."""
-        return self.blocks
-
-    def writable_blocks(self) -> list[int]:
-        """``blocks``, to change in place (an append, the copy-on-write of the last block:
-        nothing else, the class docstring's contract with the step's checkpoint). It is the
-        list :meth:`hand_out` gave: its reader sees the change."""
-        return self.blocks
 
     def copy(self, seq_id: int) -> BlockTable:
         """A fork: same blocks (the caller increments their ref counts), same tokens."""

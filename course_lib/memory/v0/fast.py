@@ -13,11 +13,12 @@ What is faster, and why it is still the same:
 
 * **One decode call per request, fused** (:meth:`FastBlockManager.append_decode`): the common
   cases (a private partial last block, or a full one) are decided up front and written out;
-  anything else (copy-on-write, blocks waiting to be cached, a swapped sequence) takes the
-  plain path. The block ids are handed out without a copy (``BlockTable.hand_out``): the
-  table's own list, which the sequence's next change extends in place, as V1's
-  ``allocate_slots`` returns its list (the scheduler's ``ScheduledSeq.block_ids``, read within
-  its step). Nothing a decode step does grows with the sequence.
+  anything else (copy-on-write, blocks waiting to be cached) takes the plain path. The block
+  ids are handed out without a copy: each table's own ``blocks`` list, which the sequence's
+  next change extends in place, as V1's ``allocate_slots`` returns its list (the scheduler's
+  ``ScheduledSeq.block_ids``, read within its step; a reader that keeps them longer copies
+  them). So nothing a decode step does grows with the sequence, where the plain manager's
+  ``get_block_table`` copy costs O(blocks) for every token.
 * **A prompt is hashed once** (:meth:`FastPrefixCache.hash_prompt`): the scheduler asks
   ``can_allocate`` for a prompt, maybe for several steps, then ``allocate``. ``can_allocate``
   answers from bounds when it can (room without any hit: OK; no room even if every full block
@@ -35,10 +36,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from ...sizing.units import cdiv
 from ..common import AllocStatus
 from .block_table import BlockTable
 from .manager import BlockManager
-from .pool import NoFreeBlocksError
 from .prefix_cache import ROOT_HASH, BlockKey, PrefixCache, builtin_block_hash, typed_salt
 
 Grown = tuple[list[tuple[int, int]], list[list[int]]]     # (CoW copies, each table's block ids)
@@ -46,13 +47,6 @@ Grown = tuple[list[tuple[int, int]], list[list[int]]]     # (CoW copies, each ta
 
 class FastPrefixCache(PrefixCache):
     """``PrefixCache`` with memoized prompt hashing and matching (module docstring)."""
-
-    #: not put back by a failed step's checkpoint: the plain cache's (the maps, whose changes
-    #: are logged), and memos that stay right whatever the maps hold (a prompt's hashes are a
-    #: function of its tokens; a remembered chain is checked against the live keys, by
-    #: identity, before use). ``_last_match`` is keyed by ``version``, so both go back
-    #: together.
-    __rollback_skip__ = PrefixCache.__rollback_skip__ + ("_prompts", "_chains")
 
     def __init__(self, hash_algo: str = "builtin") -> None:
         super().__init__(hash_algo)
@@ -103,8 +97,6 @@ class FastPrefixCache(PrefixCache):
             if block in key_of:
                 block = block if self.insert(block, key) else self.lookup(key)
             elif first is None:                          # a new hash: register it (insert())
-                if self.checkpoint is not None:          # in a step: saved first
-                    self._save(block, block_hash)
                 block_of[block_hash], key_of[block] = block, key
                 generation[block] = generation.get(block, 0) + 1
                 self.version += 1
@@ -237,7 +229,7 @@ class FastBlockManager(BlockManager):
     # --- a prompt ---------------------------------------------------------------------------
     def can_allocate(self, token_ids: Sequence[int] | int, extra_key: Hashable = ()) -> AllocStatus:
         num_tokens = token_ids if isinstance(token_ids, int) else len(token_ids)
-        required, watermark = self._blocks_needed(num_tokens), self.watermark_blocks
+        required, watermark = cdiv(num_tokens, self.block_size), self.watermark_blocks
         if required > self.num_gpu_blocks - watermark:
             return AllocStatus.NEVER
         free = self.gpu.num_free_blocks
@@ -262,7 +254,7 @@ class FastBlockManager(BlockManager):
     def num_blocks_to_append(self, seq_ids: Sequence[int]) -> int:
         bs, tables, need = self.block_size, self._tables, 0
         for seq_id in seq_ids:          # _append_need(table, 1), inlined: once per decode
-            table = tables.get(seq_id) or self._get(seq_id)
+            table = tables[seq_id]
             if len(table.token_ids) % bs == 0:
                 need += 1               # the last block is full: a new one
             elif (self.gpu if table.device == "gpu" else self.cpu).ref_counts[
@@ -270,62 +262,39 @@ class FastBlockManager(BlockManager):
                 need += 1               # a shared partial last block: its copy
         return need
 
-    def mark_blocks_as_computed(self, seq_id: int, num_computed_tokens: int) -> None:
-        table = self._tables.get(seq_id)
-        if table is not None and table.device == "gpu" \
-                and 0 <= num_computed_tokens <= len(table.token_ids) \
-                and (self.cache is None
-                     or num_computed_tokens // self.block_size <= table.num_cached_blocks):
-            return                                 # nothing new to register
-        super().mark_blocks_as_computed(seq_id, num_computed_tokens)
-
-    def can_append_slots(self, seq_id: int, num_new_tokens: int = 1) -> bool:
-        table = self._tables.get(seq_id)
-        if table is not None and table.device == "gpu" and num_new_tokens >= 0:
-            free_slots = -len(table.token_ids) % self.block_size
-            if num_new_tokens <= free_slots and self.gpu.ref_counts[table.blocks[-1]] == 1:
-                return True                    # room in a private last block
-        return super().can_append_slots(seq_id, num_new_tokens)
-
     def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        table = self._tables.get(seq_id)
-        if table is not None and table.device == "gpu":
-            n, bs = len(table.token_ids), self.block_size
-            if 0 < n % bs < bs - len(token_ids) and self.gpu.ref_counts[table.blocks[-1]] == 1 \
-                    and (self.cache is None or table.num_cached_blocks == n // bs):
-                table.token_ids.extend(token_ids)   # the last block is private, stays
-                return []                           # partial, and nothing waits to be cached
+        table = self._tables[seq_id]
+        n, bs = len(table.token_ids), self.block_size
+        if 0 < n % bs < bs - len(token_ids) and self.gpu.ref_counts[table.blocks[-1]] == 1 \
+                and (self.cache is None or table.num_cached_blocks == n // bs):
+            table.token_ids.extend(token_ids)       # the last block is private, stays
+            return []                               # partial, and nothing waits to be cached
         return super().append_slots(seq_id, token_ids)
 
     def append_decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> Grown | None:
         """``BlockManager.append_decode``, with the common cases written out and the block ids
-        handed out without a copy."""
+        handed out without a copy (module docstring)."""
         tables, bs, cache, gpu = self._tables, self.block_size, self.cache, self.gpu
-        if len(seq_ids) == 1 == len(token_ids):          # most requests: one sequence
-            table = tables.get(seq_ids[0])
-            if table is not None and table.device == "gpu":
-                tokens = table.token_ids
-                n = len(tokens)
-                r = n % bs
-                if cache is None or table.num_cached_blocks == n // bs:
-                    if r == 0:                           # the last block is full: a new one
-                        try:
-                            block = gpu.allocate()
-                        except NoFreeBlocksError:        # the pool is short: preempt
-                            return None
-                        table.blocks.append(block)
-                    elif gpu.ref_counts[table.blocks[-1]] != 1:
-                        return self._append_decode_plain(seq_ids, token_ids)  # copy-on-write
-                    tokens.append(token_ids[0])
-                    if cache is not None and r == bs - 1:
-                        cache.hash_blocks(table, n // bs + 1)          # it just filled up
-                    return [], [table.blocks]                # BlockTable.hand_out, inlined
-        elif len(seq_ids) == len(token_ids):             # a group: plan all, then grow all
+        if len(seq_ids) == 1:                            # most requests: one sequence
+            table = tables[seq_ids[0]]
+            tokens = table.token_ids
+            n = len(tokens)
+            r = n % bs
+            if cache is None or table.num_cached_blocks == n // bs:
+                if r == 0:                               # the last block is full: a new one
+                    if not gpu.num_free_blocks:          # the pool is short: preempt
+                        return None
+                    table.blocks.append(gpu.allocate())
+                elif gpu.ref_counts[table.blocks[-1]] != 1:
+                    return self._append_decode_plain(seq_ids, token_ids)   # copy-on-write
+                tokens.append(token_ids[0])
+                if cache is not None and r == bs - 1:
+                    cache.hash_blocks(table, n // bs + 1)              # it just filled up
+                return [], [table.blocks]                # the table's own list
+        else:                                            # a group: plan all, then grow all
             refs, plan, need = gpu.ref_counts, [], 0
             for seq_id in seq_ids:
-                table = tables.get(seq_id)
-                if table is None or table.device != "gpu":
-                    break
+                table = tables[seq_id]
                 n = len(table.token_ids)
                 if cache is not None and table.num_cached_blocks != n // bs:
                     break                                # blocks waiting to be cached
@@ -345,15 +314,14 @@ class FastBlockManager(BlockManager):
                     tokens.append(token)
                     if cache is not None and len(tokens) % bs == 0:
                         cache.hash_blocks(table, len(tokens) // bs)    # it just filled up
-                    out.append(table.blocks)                 # BlockTable.hand_out, inlined
+                    out.append(table.blocks)                 # the table's own list
                 return [], out
         return self._append_decode_plain(seq_ids, token_ids)   # anything else
 
     def _append_decode_plain(self, seq_ids: Sequence[int], token_ids: Sequence[int]
                              ) -> Grown | None:
-        """The plain path (copy-on-write, blocks waiting to be cached, a swapped or unknown
-        sequence: its checks and errors), the tables' own lists handed out as on the fast
-        path."""
+        """The plain path (copy-on-write, blocks waiting to be cached), the tables' own lists
+        handed out as on the fast path."""
         grown = super().append_decode(seq_ids, token_ids)
         if grown is None:
             return None

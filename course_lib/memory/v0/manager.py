@@ -23,8 +23,10 @@ counts, the free stack and the LRU of evictable cached blocks) and the :class:`P
 (``prefix_cache.py``: chained hashes, verified lookups). Read them in that order, then this
 file top to bottom.
 
-Every method checks its input before it changes anything, so a rejected call (ValueError, or
-NoFreeBlocksError when the pool is short) leaves the manager exactly as it was.
+The manager trusts its caller, the scheduler: it asks ``can_allocate`` before ``allocate``,
+names only sequences that hold blocks, and so on. Its one refusal is a pool that is short:
+``allocate``, ``append_slots`` and the swaps then raise ``NoFreeBlocksError`` and change
+nothing (the caller should have asked first).
 
 This is the plain version, written to be read. The scheduler runs its twin,
 ``FastBlockManager`` (``fast.py``): the same answers and the same state after every call (a
@@ -36,9 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from ...sizing.blocks import check_block_size
 from ...sizing.units import cdiv
-from ..common import AllocStatus, BlockUsage, PrefixCacheStats, check_watermark
+from ..common import AllocStatus, BlockUsage, PrefixCacheStats
 from .block_table import BlockTable, common_full_blocks
 from .pool import BlockAllocator, NoFreeBlocksError
 from .prefix_cache import PrefixCache, typed_salt
@@ -62,11 +63,6 @@ class BlockManager:
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 1024, num_cpu_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
                  prefix_caching_hash_algo: str = "builtin") -> None:
-        check_block_size(block_size)
-        for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        check_watermark(watermark)
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -75,22 +71,16 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockAllocator("gpu", num_gpu_blocks)
         self.cpu = BlockAllocator("cpu", num_cpu_blocks)
-        cache = self.PrefixCacheClass(prefix_caching_hash_algo)  # validates the algorithm name
-        self.cache = cache if enable_prefix_caching else None
+        self.cache = self.PrefixCacheClass(prefix_caching_hash_algo) \
+            if enable_prefix_caching else None
         # the GPU blocks that stay evictable (findable) when their last reference goes
-        self._cached = cache.cached_block_ids() if self.cache is not None else ()
+        self._cached = self.cache.cached_block_ids() if self.cache is not None else ()
         if self.cache is not None:
-            self.gpu.on_evict = cache.forget          # an evicted block leaves the cache
+            self.gpu.on_evict = self.cache.forget     # an evicted block leaves the cache
         self._tables: dict[int, BlockTable] = {}
-        self.prefix_cache_queries = 0   # tokens (vllm:prefix_cache_queries_total)
-        self.prefix_cache_hits = 0      # tokens (vllm:prefix_cache_hits_total)
+        self.prefix_cache_stats = PrefixCacheStats(0, 0)   # tokens looked up, tokens found
 
     # ================================================================ allocate a prompt
-    def _blocks_needed(self, num_tokens: int) -> int:
-        if num_tokens < 1:
-            raise ValueError(f"a sequence needs at least 1 token, got {num_tokens}")
-        return cdiv(num_tokens, self.block_size)
-
     def _cached_prefix(self, table: BlockTable) -> tuple[list[int], bool]:
         """Hash every full block of a new table and find its longest cached prefix, leaving at
         least one token to compute (the model must run on something to produce the next
@@ -116,7 +106,7 @@ class BlockManager:
         Given token ids and prefix caching, cached blocks count as already there. A probe:
         changes nothing."""
         num_tokens = token_ids if isinstance(token_ids, int) else len(token_ids)
-        required = self._blocks_needed(num_tokens)
+        required = cdiv(num_tokens, self.block_size)
         status = self._room(required)
         if status is AllocStatus.NEVER or self.cache is None or isinstance(token_ids, int):
             return status
@@ -126,14 +116,10 @@ class BlockManager:
         return self._room(required - len(hits), self.num_free_gpu_blocks - self._evictable(hits))
 
     def allocate(self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = ()) -> int:
-        """Give a new sequence blocks for its prompt. Returns the number of prompt tokens found
-        in the prefix cache (their K/V need no computing: a multiple of block_size)."""
-        if seq_id in self._tables:
-            raise ValueError(f"seq {seq_id!r} is already allocated; free it or use a new id")
-        required = self._blocks_needed(len(token_ids))
-        if required > self.num_gpu_blocks:
-            raise ValueError(f"a prompt of {len(token_ids)} tokens needs {required} blocks but the "
-                             f"GPU pool has {self.num_gpu_blocks}: it can never fit")
+        """Give a new sequence blocks for its prompt (after ``can_allocate`` said OK). Returns
+        the number of prompt tokens found in the prefix cache (their K/V need no computing: a
+        multiple of block_size)."""
+        required = cdiv(len(token_ids), self.block_size)
         table = BlockTable(seq_id, self.block_size, token_ids=list(token_ids),
                            extra_key=typed_salt(extra_key))
         hits, collided = self._cached_prefix(table) if self.cache is not None else ([], False)
@@ -148,8 +134,8 @@ class BlockManager:
         self._tables[seq_id] = table
         num_cached_tokens = len(hits) * self.block_size
         if self.cache is not None:
-            self.prefix_cache_queries += len(token_ids)
-            self.prefix_cache_hits += num_cached_tokens
+            self.prefix_cache_stats = self.prefix_cache_stats.record(len(token_ids),
+                                                                     num_cached_tokens)
             self.cache.num_collisions += collided
         return num_cached_tokens
 
@@ -170,7 +156,7 @@ class BlockManager:
         """GPU blocks a group of sequences takes when each shares the full blocks of its
         longest common prefix with an earlier one (prefix-cache hits not counted)."""
         plan = self._group_plan(token_lists)
-        return sum(self._blocks_needed(len(t)) - shared
+        return sum(cdiv(len(t), self.block_size) - shared
                    for t, (_, shared) in zip(token_lists, plan, strict=True))
 
     def can_allocate_group(self, token_lists: Sequence[Sequence[int]],
@@ -190,17 +176,11 @@ class BlockManager:
         the shared prefix for the others, whose K/V the named sequence writes (the caller
         must not run a sharer before that). All or nothing: ``NoFreeBlocksError`` if the
         group does not fit now, nothing allocated."""
-        if not seqs:
-            raise ValueError("allocate_group needs at least one sequence")
         if len(seqs) == 1:                               # one sequence: allocate() it
             seq_id, tokens = seqs[0]
             return [(self.allocate(seq_id, tokens, extra_key), None)]
         ids = [s for s, _ in seqs]
-        if len(set(ids)) != len(ids) or any(s in self._tables for s in ids):
-            raise ValueError(f"seq ids must be new and distinct, got {ids}")
         token_lists = [list(t) for _, t in seqs]
-        for t in token_lists:
-            self._blocks_needed(len(t))                     # >= 1 token each
         need = self.group_blocks_needed(token_lists)        # as can_allocate_group counts
         if need > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"the group needs {need} GPU blocks, "
@@ -217,7 +197,7 @@ class BlockManager:
                                extra_key=source.extra_key)
             self.gpu.touch(source.blocks[:shared])
             table.blocks = source.blocks[:shared] + self.gpu.allocate_n(
-                self._blocks_needed(len(tokens)) - shared)
+                cdiv(len(tokens), self.block_size) - shared)
             if self.cache is not None:
                 table.block_hashes = source.block_hashes[:shared]
                 self.cache.hash_blocks(table, table.num_full_blocks)
@@ -238,13 +218,11 @@ class BlockManager:
         """GPU blocks one more token for each of these sequences takes (a decode step of a
         group): a new block per full last block, a copy per shared partial last block. Also
         for a swapped-out group, whose sharing is the same on the CPU."""
-        return sum(sum(self._append_need(self._get(s), 1)) for s in seq_ids)
+        return sum(sum(self._append_need(self._tables[s], 1)) for s in seq_ids)
 
     def can_append_slots(self, seq_id: int, num_new_tokens: int = 1) -> bool:
         """Is there room for ``num_new_tokens`` more tokens (new blocks + a CoW copy)?"""
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        new_blocks, cow = self._append_need(self._get(seq_id, "gpu"), num_new_tokens)
+        new_blocks, cow = self._append_need(self._tables[seq_id], num_new_tokens)
         return new_blocks + cow <= self.num_free_gpu_blocks
 
     def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -255,12 +233,12 @@ class BlockManager:
         copy and the returned ``[(src, dst)]`` tells the kernels which block to copy. The
         tokens before these are computed by now, so their full blocks enter the prefix cache.
         """
-        table = self._get(seq_id, "gpu")
+        table = self._tables[seq_id]
         new_blocks, cow = self._append_need(table, len(token_ids))
         if new_blocks + cow > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"seq {seq_id} needs {new_blocks + cow} GPU blocks, "
                                     f"{self.num_free_gpu_blocks} are free; preempt something")
-        blocks = table.writable_blocks()
+        blocks = table.blocks
         copies: list[tuple[int, int]] = []
         if cow:
             src = blocks[-1]
@@ -284,11 +262,6 @@ class BlockManager:
         None, changing nothing, when the GPU pool is short (preempt something). vLLM V0 asks
         this in three calls per sequence (``can_append_slots``, ``append_slots``,
         ``get_block_table``)."""
-        if len(seq_ids) != len(token_ids):
-            raise ValueError(f"one token per sequence: {len(seq_ids)} sequences, "
-                             f"{len(token_ids)} tokens")
-        for seq_id in seq_ids:
-            self._get(seq_id, "gpu")                     # all checked before any change
         if self.num_blocks_to_append(seq_ids) > self.num_free_gpu_blocks:
             return None
         copies: list[tuple[int, int]] = []
@@ -303,10 +276,7 @@ class BlockManager:
         then may another request reuse those blocks. ``append_slots`` does this implicitly
         for every token before the ones it appends.
         """
-        table = self._get(seq_id, "gpu")
-        if not 0 <= num_computed_tokens <= table.num_tokens:
-            raise ValueError(f"num_computed_tokens must be in [0, {table.num_tokens}], "
-                             f"got {num_computed_tokens}")
+        table = self._tables[seq_id]
         upto = num_computed_tokens // self.block_size
         if self.cache is not None and upto > table.num_cached_blocks:
             self.cache.register(table, upto)
@@ -315,17 +285,14 @@ class BlockManager:
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
         """The child shares all of the parent's blocks (parallel sampling, beam search).
         Nothing is copied now; the first write to a shared partial block copies it."""
-        parent = self._get(parent_seq_id, "gpu")
-        if child_seq_id in self._tables:
-            raise ValueError(f"seq {child_seq_id!r} is already allocated; pick a new child id")
+        parent = self._tables[parent_seq_id]
         self.gpu.touch(parent.blocks)
         self._tables[child_seq_id] = parent.copy(child_seq_id)
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references. Tail blocks are released first, so that cached
         chain ends are evicted before the prefixes other requests are likelier to share."""
-        table = self._get(seq_id)
-        del self._tables[seq_id]
+        table = self._tables.pop(seq_id)
         if table.device == "gpu":
             self.gpu.release(reversed(table.blocks), self._cached)
         else:
@@ -346,22 +313,19 @@ class BlockManager:
     # A group (one request's samples or beams) moves together: a block shared inside the group
     # moves once and stays shared. The engine runs the returned [(src, dst)] copies before any
     # other cache operation of the step (a freed GPU block may be handed out again at once).
-    def _group(self, seq_ids: Iterable[int], device: str) -> tuple[list[BlockTable], list[int]]:
+    def _group(self, seq_ids: Iterable[int]) -> tuple[list[BlockTable], list[int]]:
         """Tables of a group of sequences and their distinct blocks."""
-        seq_ids = list(seq_ids)
-        if not seq_ids or len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be a non-empty list of distinct ids, got {seq_ids}")
-        tables = [self._get(s, device) for s in seq_ids]
+        tables = [self._tables[s] for s in seq_ids]
         return tables, list(dict.fromkeys(b for t in tables for b in t.blocks))
 
     def can_swap_out(self, seq_ids: Iterable[int]) -> bool:
-        return len(self._group(seq_ids, "gpu")[1]) <= self.num_free_cpu_blocks
+        return len(self._group(seq_ids)[1]) <= self.num_free_cpu_blocks
 
     def swap_out(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
         """Move the group's blocks to the CPU pool; returns ``[(gpu_block, cpu_block)]``.
         The engine must run these copies before any other cache op of the same step: the
         freed GPU blocks may be handed out again right away."""
-        tables, distinct = self._group(seq_ids, "gpu")
+        tables, distinct = self._group(seq_ids)
         if len(distinct) > self.num_free_cpu_blocks:
             raise NoFreeBlocksError(f"swap out needs {len(distinct)} CPU blocks, "
                                     f"{self.num_free_cpu_blocks} are free (raise swap_space)")
@@ -375,7 +339,7 @@ class BlockManager:
         """GPU blocks a swapped-out group needs to come back and decode one step: its
         distinct blocks plus :meth:`num_blocks_to_append`."""
         seq_ids = list(seq_ids)
-        return len(self._group(seq_ids, "cpu")[1]) + self.num_blocks_to_append(seq_ids)
+        return len(self._group(seq_ids)[1]) + self.num_blocks_to_append(seq_ids)
 
     def can_swap_in(self, seq_ids: Iterable[int]) -> AllocStatus:
         """Room to swap the group in and run its next decode step, keeping the watermark?"""
@@ -383,7 +347,7 @@ class BlockManager:
 
     def swap_in(self, seq_ids: Iterable[int]) -> list[tuple[int, int]]:
         """Bring a swapped-out group back to the GPU; returns ``[(cpu_block, gpu_block)]``."""
-        tables, distinct = self._group(seq_ids, "cpu")
+        tables, distinct = self._group(seq_ids)
         if len(distinct) > self.num_free_gpu_blocks:
             raise NoFreeBlocksError(f"swap in needs {len(distinct)} GPU blocks, "
                                     f"{self.num_free_gpu_blocks} are free")
@@ -413,10 +377,6 @@ class BlockManager:
     def num_free_cpu_blocks(self) -> int:
         return self.cpu.num_free_blocks
 
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats(self.prefix_cache_queries, self.prefix_cache_hits)
-
     def has_seq(self, seq_id: int) -> bool:
         return seq_id in self._tables
 
@@ -425,33 +385,18 @@ class BlockManager:
 
     def get_table(self, seq_id: int) -> BlockTable:
         """The sequence's table (read it, do not mutate it)."""
-        return self._get(seq_id)
+        return self._tables[seq_id]
 
     def get_block_table(self, seq_id: int) -> list[int]:
         """Physical block ids of the sequence, logical order (a copy)."""
-        return list(self._get(seq_id).blocks)
+        return list(self._tables[seq_id].blocks)
 
     def pool(self, device: str) -> BlockAllocator:
-        if device not in ("gpu", "cpu"):
-            raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}")
+        """The pool of ``"gpu"`` or ``"cpu"``."""
         return self.gpu if device == "gpu" else self.cpu
 
     def ref_count(self, block: int, device: str = "gpu") -> int:
-        pool = self.pool(device)
-        if isinstance(block, bool) or not isinstance(block, int) \
-                or not 0 <= block < pool.num_blocks:
-            raise ValueError(f"{device} block ids are 0..{pool.num_blocks - 1}, got {block!r}")
-        return pool.ref_counts[block]
-
-    def _get(self, seq_id: int, device: str | None = None) -> BlockTable:
-        table = self._tables.get(seq_id)
-        if table is None:
-            known = sorted(self._tables, key=repr)[:10]     # ids of any type: no TypeError
-            raise ValueError(f"seq {seq_id!r} has no blocks (never allocated, or already freed); "
-                             f"allocated seqs: {known}{' ...' if len(self._tables) > 10 else ''}")
-        if device is not None and table.device != device:
-            raise ValueError(f"seq {seq_id} is on {table.device}, this needs it on {device}")
-        return table
+        return self.pool(device).ref_counts[block]
 
     def usage(self, device: str = "gpu") -> BlockUsage:
         """Occupancy of one pool, O(sequences on it): only a sequence's last block can have

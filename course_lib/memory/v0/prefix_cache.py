@@ -24,10 +24,6 @@ findable by hash; the block pool (``pool.py``) keeps it *evictable*, in LRU orde
 allocation needs the space and evicts it (then :meth:`PrefixCache.forget` drops its hash). This
 cache holds only the hash <-> block maps; which free block goes next is the pool's policy.
 
-Inside an engine step (all or nothing, ``engine/rollback.py``) the maps are not copied: before
-a block is registered or forgotten, :meth:`PrefixCache._save` hands the step's checkpoint the
-entries that may change, so that a step costs what it registers and evicts.
-
 The scheduler's fast twin (``fast.py``) remembers prompts it has hashed and matches it has
 made; it answers exactly as this plain cache does.
 """
@@ -37,12 +33,9 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable, Hashable, KeysView
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from .block_table import BlockTable
-
-if TYPE_CHECKING:
-    from ...checkpoint import Checkpoint
 
 ROOT_HASH = 0  # parent hash of a sequence's first block
 
@@ -96,13 +89,7 @@ class PrefixCache:
 
     ``hash_algo``: ``"builtin"`` (Python's ``hash``, fast) or ``"sha256"``."""
 
-    #: not copied by a step's checkpoint: the maps (each entry saved before it changes)
-    __rollback_skip__ = ("_block_of", "_collided", "_key_of", "_generation", "checkpoint")
-
     def __init__(self, hash_algo: str = "builtin") -> None:
-        if hash_algo not in HASH_FUNCTIONS:
-            raise ValueError(f"hash_algo must be one of {sorted(HASH_FUNCTIONS)}, "
-                             f"got {hash_algo!r}")
         self.hash_algo = hash_algo
         self.hash_fn: HashFn = HASH_FUNCTIONS[hash_algo]
         self._block_of: dict[int, int] = {}             # block_hash -> first block with it
@@ -110,7 +97,6 @@ class PrefixCache:
         self._key_of: dict[int, BlockKey] = {}          # block id -> its key (cached blocks only)
         self._generation: dict[int, int] = {}           # block id -> times it was registered
         self.num_collisions = 0                         # hash matched, content did not
-        self.checkpoint: Checkpoint | None = None       # the engine step's, while one runs
 
     # --- a sequence's chain ---------------------------------------------------------------
     def hash_blocks(self, table: BlockTable, upto: int) -> None:
@@ -188,7 +174,6 @@ class PrefixCache:
         never keep a prefix out of the cache."""
         if block in self._key_of or self._find(key)[0] is not None:
             return False
-        self._save(block, key.block_hash)
         if key.block_hash in self._block_of:
             self._collided.setdefault(key.block_hash, []).append(block)
         else:
@@ -217,7 +202,6 @@ class PrefixCache:
     def forget(self, block: int) -> None:
         """The pool evicted this block for a new allocation: its hash no longer finds it."""
         h = self._key_of[block].block_hash
-        self._save(block, h)
         del self._key_of[block]
         others = self._collided.get(h)
         if self._block_of[h] == block:
@@ -232,26 +216,9 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every cached block (the pool frees the evictable ones)."""
-        for block, key in self._key_of.items():
-            self._save(block, key.block_hash)
         self._block_of.clear()
         self._collided.clear()
         self._key_of.clear()
-
-    # --- inside an engine step ----------------------------------------------------------
-    def attach(self, checkpoint: Checkpoint) -> None:
-        """Hand ``checkpoint`` what the maps change from now until it closes."""
-        self.checkpoint = checkpoint
-
-    def _save(self, block: int, block_hash: int) -> None:
-        """Before ``block`` is registered or forgotten under ``block_hash``: inside a step,
-        the checkpoint keeps the four entries that may change (``Checkpoint.save_items``)."""
-        checkpoint = self.checkpoint
-        if checkpoint is not None and not checkpoint.closed:
-            checkpoint.save_items(self._block_of, (block_hash,))
-            checkpoint.save_items(self._collided, (block_hash,))
-            checkpoint.save_items(self._key_of, (block,))
-            checkpoint.save_items(self._generation, (block,))
 
     def check_invariants(self) -> None:
         """The two maps are inverse; every key re-hashes to its hash; a live parent holds the

@@ -38,11 +38,6 @@ import os
 import pickle
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ...checkpoint import Checkpoint
 
 NONE_HASH_SEED = "vllm-none-hash"        # vLLM's DEFAULT_NONE_HASH_SEED
 
@@ -137,15 +132,6 @@ def hash_block_tokens(parent_block_hash: bytes | None, block_token_ids: Sequence
     return hash_fn((parent, tuple(block_token_ids), extra_keys))
 
 
-def _save(checkpoint: Checkpoint | None, *objs: object) -> None:
-    """Before a change that a failed engine step must undo: hand the objects to the step's
-    checkpoint (``course_lib/checkpoint.py``), if one is open, so that a step saves the blocks
-    it changes and nothing else. Outside an engine step (the chapters, the benches) there is
-    none: one test of an attribute."""
-    if checkpoint is not None and not checkpoint.closed:
-        checkpoint.touch(*objs)
-
-
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One block's metadata (vLLM's ``KVCacheBlock``)."""
@@ -167,12 +153,9 @@ class FreeKVCacheBlockQueue:
     block, removal from the middle included. Each one writes the links in vLLM's order, and
     a queue corrupted by a caller (a block linked twice) fails where vLLM's does, with its
     exception: ``remove`` of a block not in the queue and ``popleft`` of a block without a
-    successor raise ``RuntimeError``, ``popleft`` of an empty queue ``ValueError``."""
-
-    #: the engine step's checkpoint while one runs (``BlockPool.attach``): each operation
-    #: hands it the blocks whose links it is about to change
-    checkpoint: Checkpoint | None = None
-    __rollback_skip__ = ("checkpoint",)
+    successor raise ``RuntimeError``, ``popleft`` of an empty queue ``ValueError``,
+    ``popleft_n`` of more blocks than are free ``AssertionError``
+    (``vllm/v1/core/kv_cache_utils.py``)."""
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
         self.num_free_blocks = len(blocks)
@@ -198,28 +181,23 @@ class FreeKVCacheBlockQueue:
         if nxt is None:
             raise RuntimeError("Invalid block found in popleft() "
                                "which doesn't have a valid next_free_block")
-        _save(self.checkpoint, head, block, nxt)
         head.next_free_block, nxt.prev_free_block = nxt, head
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
         return block
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """The first ``n`` blocks. More than are free: ``ValueError`` (vLLM asserts; see
-        docs/design_notes.md)."""
-        if n > self.num_free_blocks:
-            raise ValueError(f"cannot pop {n} blocks, {self.num_free_blocks} are free")
+        """The first ``n`` blocks (no more than are free)."""
         if n == 0:
             return []
+        assert self.num_free_blocks >= n
         self.num_free_blocks -= n
         out, block = [], self.fake_free_list_head.next_free_block
         for _ in range(n):
             assert block is not None
             out.append(block)
             last, block = block, block.next_free_block
-            _save(self.checkpoint, last)
             last.prev_free_block = last.next_free_block = None
-        _save(self.checkpoint, self.fake_free_list_head, block)
         if block is not None:
             self.fake_free_list_head.next_free_block = block
             block.prev_free_block = self.fake_free_list_head
@@ -230,7 +208,6 @@ class FreeKVCacheBlockQueue:
         prev, nxt = block.prev_free_block, block.next_free_block
         if prev is None or nxt is None:
             raise RuntimeError(f"remove() called on an invalid block: {block}")
-        _save(self.checkpoint, prev, block, nxt)
         prev.next_free_block, nxt.prev_free_block = nxt, prev
         block.prev_free_block = block.next_free_block = None
         self.num_free_blocks -= 1
@@ -240,7 +217,6 @@ class FreeKVCacheBlockQueue:
         last = tail.prev_free_block
         if last is None:
             raise RuntimeError("prev_free_block of fake_free_list_tail should always exist")
-        _save(self.checkpoint, last, block, tail)
         last.next_free_block, block.prev_free_block = block, last
         block.next_free_block, tail.prev_free_block = tail, block
         self.num_free_blocks += 1
@@ -253,7 +229,6 @@ class FreeKVCacheBlockQueue:
         tail = self.fake_free_list_tail
         last = tail.prev_free_block
         assert last is not None, "prev_free_block of fake_free_list_tail should always exist"
-        _save(self.checkpoint, last, tail, *blocks)
         for block in blocks:
             block.prev_free_block, last.next_free_block = last, block
             last = block
@@ -266,7 +241,6 @@ class FreeKVCacheBlockQueue:
             return
         first = self.fake_free_list_head.next_free_block
         assert first is not None, "next_free_block of fake_free_list_head should always exist"
-        _save(self.checkpoint, first, self.fake_free_list_head, *blocks)
         prev = self.fake_free_list_head
         for block in blocks:
             block.prev_free_block, prev.next_free_block = prev, block
@@ -286,48 +260,14 @@ class FreeKVCacheBlockQueue:
 
 
 class BlockPool:
-    """The V1 block pool (see the module docstring).
-
-    While an engine step runs, :meth:`attach` hands the pool the step's checkpoint: the pool
-    and its queue then save each block before they first change it, and log how to put back
-    each entry of the hash map they change, so that a failed step is undone at the cost of the
-    blocks it touched, not of the whole pool (``engine/rollback.py``)."""
-
-    #: never copied by a step's checkpoint: the blocks (a fixed list; each is saved when
-    #: changed), the hash map (each entry logged when changed), the checkpoint itself
-    __rollback_skip__ = ("blocks", "cached_block_hash_to_block", "checkpoint")
+    """The V1 block pool (see the module docstring)."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
-        if isinstance(num_gpu_blocks, bool) or not isinstance(num_gpu_blocks, int) \
-                or num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
-        self.checkpoint: Checkpoint | None = None
-
-    def attach(self, checkpoint: Checkpoint) -> None:
-        """Save what the pool changes into ``checkpoint`` from now until it closes."""
-        self.checkpoint = self.free_block_queue.checkpoint = checkpoint
-
-    def _save_entry(self, block_hash: bytes) -> None:
-        """Before the hash map's entry for ``block_hash`` changes: log how to put it back."""
-        checkpoint = self.checkpoint
-        if checkpoint is None or checkpoint.closed:
-            return
-        same = self.cached_block_hash_to_block.get(block_hash)
-        checkpoint.on_rollback(partial(self._put_entry, block_hash, same,
-                                       None if same is None else dict(same)))
-
-    def _put_entry(self, block_hash: bytes, same: dict | None, blocks: dict | None) -> None:
-        if same is None:
-            self.cached_block_hash_to_block.pop(block_hash, None)
-        else:
-            same.clear()
-            same.update(blocks)
-            self.cached_block_hash_to_block[block_hash] = same
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -349,8 +289,6 @@ class BlockPool:
             block = blocks[i]
             if block.block_hash is not None:
                 continue                      # a hit: cached already, by whoever filled it
-            _save(self.checkpoint, block)
-            self._save_entry(block_hashes[i])
             block.block_hash = block_hashes[i]
             self.cached_block_hash_to_block.setdefault(block_hashes[i], {})[block.block_id] = \
                 block
@@ -358,8 +296,6 @@ class BlockPool:
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        _save(self.checkpoint, block)
-        self._save_entry(block.block_hash)
         same = self.cached_block_hash_to_block[block.block_hash]
         del same[block.block_id]
         if not same:
@@ -380,7 +316,6 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """One more reference to each block; a free (evictable) one leaves the queue."""
         for block in blocks:
-            _save(self.checkpoint, block)
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -389,14 +324,7 @@ class BlockPool:
         """Drop one reference to each block, in eviction order (first = evicted first).
         Blocks reaching 0 that are not cached go to the front of the queue (reused first),
         cached ones to the back (the most recently used end of the LRU)."""
-        ordered_blocks = list(ordered_blocks)
-        drops: dict[int, int] = {}
-        for block in ordered_blocks:            # checked first: a bad call changes nothing
-            drops[block.block_id] = drops.get(block.block_id, 0) + 1
-            if drops[block.block_id] > block.ref_cnt:
-                raise ValueError(f"block {block.block_id} is not held that many times")
         first, last = [], []
-        _save(self.checkpoint, *ordered_blocks)
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -409,9 +337,6 @@ class BlockPool:
         """Forget every cached hash; only while no block is held (returns whether it did)."""
         if self.get_num_free_blocks() != self.num_gpu_blocks:
             return False
-        _save(self.checkpoint, *self.blocks)
-        for block_hash in self.cached_block_hash_to_block:
-            self._save_entry(block_hash)
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None

@@ -85,7 +85,6 @@ class KVCacheManager(V1ManagerBase):
 
     def get_block_table(self, seq_id: int) -> list[int]:
         """Block ids of the sequence, in order (a copy)."""
-        self._blocks_of(seq_id)                      # raises if it holds none
         return list(self.req_to_block_ids[seq_id])
 
     # ------------------------------------------------------------------- the hashes
@@ -142,8 +141,7 @@ class KVCacheManager(V1ManagerBase):
         added (read it before the next call for this sequence, or copy it). Its cost does not
         grow with the sequence: blocks, ids and hashes are extended by what this step adds."""
         bs = self.block_size
-        total = self._tokens_to_hold(seq_id, token_ids, num_computed_tokens,
-                                     len(new_computed_blocks) * bs, num_new_tokens)
+        total = num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
         req_blocks = self.req_to_blocks.get(seq_id)
         num_new = cdiv(total, bs) - len(new_computed_blocks) - \
             (len(req_blocks) if req_blocks is not None else 0)
@@ -189,13 +187,12 @@ class KVCacheManager(V1ManagerBase):
         """Give the sequence's blocks back, tail first: the end of a chain is evicted before
         its beginning, which more requests are likely to share. Its hashes stay (a preempted
         sequence comes back with them) until :meth:`forget`."""
-        blocks = self._blocks_of(seq_id)             # raises if it holds none
+        blocks = self.req_to_blocks.pop(seq_id)
         if self.free_delay is not None and self.free_delay(seq_id,
                                                            self.req_to_block_ids[seq_id]):
             self.delayed_frees[seq_id] = blocks      # a transfer still reads them: held
         else:
             self.block_pool.free_blocks(reversed(blocks))
-        del self.req_to_blocks[seq_id]
         self.req_to_block_ids.pop(seq_id, None)
         self.num_cached_block.pop(seq_id, None)
         self.num_slots.pop(seq_id, None)
