@@ -24,6 +24,7 @@ import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 # vLLM's thresholds (vllm/sampling_params.py: _SAMPLING_EPS, _MAX_TEMP): a temperature below
 # SAMPLING_EPS means greedy; one in [SAMPLING_EPS, MIN_TEMPERATURE) is raised to
@@ -50,17 +51,38 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def finite_float(value: object, what: str) -> float:
+    """``value`` as a Python float, or ``ValueError`` naming it: any real number by its value
+    (an int, a float, numpy's, a ``Fraction``, a ``Decimal``), finite; never a bool, a
+    string, or a number too large for a float (``10**400``). The step computes with the
+    float: a ``Fraction(1, 3)`` left as it is would meet a tensor there and fail."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, Decimal)):
+        raise ValueError(f"{what} must be a finite number, got {value!r:.60}")
+    try:
+        out = float(value)
+    except (OverflowError, ValueError):      # 10**400, Decimal("sNaN")
+        out = math.inf
+    if not math.isfinite(out):
+        raise ValueError(f"{what} must be a finite number, got {value!r:.60}")
+    return out
+
+
 def token_ids_or_error(ids: Iterable[object], vocab_size: int | None = None,
                        what: str = "token ids") -> tuple[int, ...]:
     """``ids`` as a tuple of Python ints, or ``ValueError`` naming the first bad one (not an
     integer, a bool, negative, or >= ``vocab_size``). Strings and floats are refused, never
-    converted: ``"65"`` or ``65.9`` is a caller's bug, not token 65."""
+    converted: ``"65"`` or ``65.9`` is a caller's bug, not token 65. Integers of any kind
+    (numpy's too) become Python ints; a 0-d array or tensor is one number, not a sequence."""
     valid = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
-    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, Iterable):
+    try:
+        if isinstance(ids, (str, bytes, bytearray)):
+            raise TypeError
+        items = iter(ids)                   # a 0-d array or tensor raises TypeError here
+    except TypeError:
         raise ValueError(f"{what} must be a sequence of ints in {valid}, got "
-                         f"{type(ids).__name__} {ids!r:.60}")
+                         f"{type(ids).__name__} {ids!r:.60}") from None
     out = []
-    for i, t in enumerate(ids):
+    for i, t in enumerate(items):
         if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             raise ValueError(f"{what} must be ints in {valid}; item {i} is {t!r}")
         out.append(int(t))
@@ -78,6 +100,10 @@ class SamplingParams:
     ``MIN_TEMPERATURE``: sampled at ``MIN_TEMPERATURE``), ``2**-150 < top_p <= 1``, an integer
     ``seed`` in ``[0, 2**64)``, integer counts >= 1, token ids >= 0 (``stop_token_ids``: any
     iterable of them, kept as a tuple); bools are never numbers.
+
+    Numbers are taken by value: integers of any kind (numpy's too) are kept as Python ints,
+    real numbers (numpy's, ``Fraction``, ``Decimal``) as Python floats, what the sampler
+    computes with; anything else is a ``ValueError`` naming the value.
 
     ``top_p``'s floor is the course sampler's, not vLLM's: ``top_p_probs`` compares ``top_p``
     in float32, where anything <= 2**-150 (~7.0e-46) rounds to 0 and then not even the most
@@ -100,31 +126,38 @@ class SamplingParams:
                                           # beam search ignores them and runs to max_tokens
 
     def __post_init__(self) -> None:
+        # Numbers are taken by value and kept as the plain int / float the step computes
+        # with: a seed np.int64(2) (what np.random.randint returns) would overflow in the
+        # sampler's seed arithmetic, a temperature Fraction(1, 3) fail against a tensor.
         for name in ("max_tokens", "n", "beam_width"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
         for name in ("n", "beam_width"):         # vLLM's bound: VLLM_MAX_N_SEQUENCES
             if getattr(self, name) > MAX_N_SEQUENCES:
                 raise ValueError(f"{name} must be at most {MAX_N_SEQUENCES}, got "
                                  f"{getattr(self, name)} (vLLM's VLLM_MAX_N_SEQUENCES)")
+        given_top_p = self.top_p
         for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                    or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, finite_float(getattr(self, name), name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {given_top_p!r}")
         if self.top_p <= TOP_P_FLOOR:
-            raise ValueError(f"top_p must be in (2**-150, 1], got {self.top_p!r}: the sampler "
+            raise ValueError(f"top_p must be in (2**-150, 1], got {given_top_p!r}: the sampler "
                              f"compares it in float32, where a top_p <= 2**-150 (~7.0e-46) is "
                              f"0 and keeps no token")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
-            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+        if self.seed is not None:
+            if not is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
+                raise ValueError(f"seed must be None or an int in [0, 2**64), got "
+                                 f"{self.seed!r}")
+            object.__setattr__(self, "seed", int(self.seed))
+        if self.logprobs is not None:
+            if not is_int(self.logprobs) or self.logprobs < 0:
+                raise ValueError(f"logprobs must be None or an int >= 0, got {self.logprobs!r}")
+            object.__setattr__(self, "logprobs", int(self.logprobs))
         stops = token_ids_or_error(self.stop_token_ids, what="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", stops)     # any iterable in, a tuple kept
         if self.n > 1 and self.beam_width > 1:
@@ -302,10 +335,11 @@ class Request:
                                                    what=f"request {self.request_id}'s prompt")
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt must have >= 1 token")
-        if isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, numbers.Real) \
-                or not math.isfinite(self.arrival_time):
+        try:
+            self.arrival_time = finite_float(self.arrival_time, "arrival_time")
+        except ValueError:
             raise ValueError(f"request {self.request_id}: arrival_time must be a finite number "
-                             f"of seconds, got {self.arrival_time!r}")
+                             f"of seconds, got {self.arrival_time!r:.60}") from None
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"request {self.request_id}: cache_salt must be a str or None, "
                              f"got {self.cache_salt!r}")

@@ -186,7 +186,8 @@ def test_abort_frees_the_blocks_at_once(model) -> None:
     assert engine.abort_request(a)
     engine.check_invariants()
     assert engine.block_manager.usage().num_held_blocks == 0
-    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [(a, "abort")]
+    assert not engine.has_unfinished_requests()
     assert_all_blocks_back(engine)
 
 

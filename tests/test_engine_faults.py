@@ -422,8 +422,8 @@ def test_abort_and_add_from_inside_a_step_take_effect_after_it(model, monkeypatc
     engine.step()
     assert hooked["abort"] is True and engine.has_unfinished_requests()
     outs, failed = run_all(engine)
-    assert failed == 0 and b not in outs
-    assert tokens(outs) == {a: [want[0].outputs[0].token_ids],
+    assert failed == 0 and outs[b].finish_reason == "abort"      # answered, by the next step
+    assert tokens(outs) == {a: [want[0].outputs[0].token_ids], b: tokens(outs)[b],
                             hooked["add"]: [want[1].outputs[0].token_ids]}
     assert not engine._requests and not engine.block_manager.seq_ids()
 
@@ -467,7 +467,8 @@ def test_an_add_that_fails_half_way_leaves_no_trace(model, monkeypatch):
 @pytest.mark.parametrize("design", ["v0", "v1"])
 def test_an_abort_that_fails_half_way_still_aborts(model, monkeypatch, design):
     """Aborting a waiting request faults half-way (its blocks or queue entry half gone): the
-    engine recovers with that request aborted, and the others go on to clean tokens."""
+    engine recovers with that request aborted (and answered so by the next step), and the
+    others go on to clean tokens."""
     want = make_engine(model, design=design).generate("And God said", GREEDY)[0]
     engine = make_engine(model, design=design)
     a = engine.add_request("And God said", GREEDY)
@@ -486,7 +487,9 @@ def test_an_abort_that_fails_half_way_still_aborts(model, monkeypatch, design):
     monkeypatch.setattr(type(sched), "finish_request", real)
     assert list(engine._requests) == [a] and engine.num_recoveries == 1
     outs, failed = run_all(engine)
-    assert failed == 0 and tokens(outs) == {a: [want.outputs[0].token_ids]}
+    assert failed == 0 and tokens(outs)[a] == [want.outputs[0].token_ids]
+    assert set(outs) == {a, b} and all(t == [] for t in tokens(outs)[b])     # it never ran
+    assert outs[b].finish_reason == "abort" and outs[b].finish_detail == "aborted by the user"
 
 
 # ----------------------------------------------------- random faults, property test
@@ -626,7 +629,8 @@ def test_abort_from_another_thread_mid_step_takes_effect_after_the_step(model, m
     assert result["abort"] is True
     monkeypatch.setattr(engine.runner, "execute_model", real)
     outs, _ = run_all(engine)
-    assert a not in outs and outs[b].outputs[0].token_ids == want[1].outputs[0].token_ids
+    assert outs[a].finish_reason == "abort"
+    assert outs[b].outputs[0].token_ids == want[1].outputs[0].token_ids
     engine.check_invariants()
     assert not engine._requests and not engine._seeds
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,11 +26,22 @@ def ids(prompt):
 
 
 @pytest.mark.parametrize("prompt, kind", [(None, "NoneType"), (5, "int"), (2.5, "float"),
-                                          (b"ab", "bytes"), (object(), "object")])
+                                          (b"ab", "bytes"), (object(), "object"),
+                                          (torch.tensor(5), "Tensor"),
+                                          (np.array(5), "ndarray")])
 def test_a_prompt_that_is_not_text_or_token_ids_names_itself(prompt, kind):
+    """A 0-d tensor or array is one number, not a sequence of ids: before, iterating it raised
+    a bare ``TypeError`` ("iteration over a 0-d tensor")."""
     with pytest.raises(ValueError, match=rf"prompt token ids must be a sequence of ints in "
                                          rf"0\.\.258, got {kind}"):
         ids(prompt)
+
+
+def test_token_ids_of_any_integer_kind_are_python_ints():
+    got = ids(np.array([1, 2], dtype=np.int32))
+    assert got == (1, 2) and {type(t) for t in got} == {int}
+    with pytest.raises(ValueError, match=r"item 0 is tensor\(1\)"):
+        ids(torch.tensor([1, 2]))            # a tensor's items are tensors: refused, named
 
 
 @pytest.mark.parametrize("prompt", [{1, 2}, {1: 2}, frozenset([3])])

@@ -232,12 +232,12 @@ def test_blocks_a_transfer_reads_are_kept_until_it_is_done(model):
 def tier_state(conn: CPUOffloadConnector) -> tuple:
     """Everything the tier and its connector hold for requests and steps."""
     pool = conn.cpu_pool
-    return (dict(pool.hash_to_block), list(pool.free_blocks), dict(conn._lookup),
+    return (dict(pool.hash_to_block), pool.num_allocated, dict(conn._lookup),
             list(conn._loads), list(conn._async_seq_ids), set(conn._finished_recving),
             conn.has_connector_metadata())
 
 
-EMPTY_TIER = ({}, list(range(63, -1, -1)), {}, [], [], set(), False)
+EMPTY_TIER = ({}, 0, {}, [], [], set(), False)
 P, Q, X = list(range(3, 43)), list(range(100, 140)), list(range(150, 162))
 AFTER = [SamplingParams(max_tokens=4, temperature=0.0),
          SamplingParams(max_tokens=4, temperature=0.8, seed=5)]

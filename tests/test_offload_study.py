@@ -90,7 +90,7 @@ def test_the_detectors_trip(model, monkeypatch):
     real_allocate = cpu_offload.CPUBlockPool.allocate
 
     def refuse_when_full(self, block_hash, pinned):
-        if not self.free_blocks:
+        if self.num_allocated == self.num_blocks:
             raise RuntimeError("the CPU tier is full")
         return real_allocate(self, block_hash, pinned)
 

@@ -481,3 +481,67 @@ def test_the_prefill_reset_detector_trips_on_a_reset_that_keeps_the_held_blocks(
         prefill_reset_run(model, monkeypatch, keeps)
     _, prefill, decode, _ = prefill_reset_run(model, monkeypatch, keeps, check=False)
     assert prefill.kv_connector.num_sent_blocks > 0 and decode.kv_connector.num_failed_recvs < 2
+
+
+# ------------------------------------------------------- kv_transfer_params, at the door
+GOOD_DECODE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": 0,
+               "remote_request_id": 3, "remote_block_ids": [0, 1, 2]}
+
+
+@pytest.mark.parametrize("engine, params, match", [
+    (1, {"do_remote_prefill": True}, r"'remote_engine_id' must be the rank of a prefill "
+                                     r"engine \(one of \[0\]\), got None"),
+    (1, {**GOOD_DECODE, "remote_engine_id": "0"}, r"'remote_engine_id' .* got '0'"),
+    (1, {**GOOD_DECODE, "remote_engine_id": 1}, r"'remote_engine_id' .* got 1"),   # itself
+    (1, {**GOOD_DECODE, "remote_engine_id": True}, r"'remote_engine_id' .* got True"),
+    (1, {**GOOD_DECODE, "remote_request_id": 1.5}, r"'remote_request_id' must be an int in "
+                                                   r"\[0, 2\*\*63\), got 1.5"),
+    (1, {**GOOD_DECODE, "remote_request_id": None}, r"'remote_request_id' .* got None"),
+    (1, {**GOOD_DECODE, "remote_block_ids": "012"}, r"'remote_block_ids' must be a list of "
+                                                    r"block ids"),
+    (1, {**GOOD_DECODE, "remote_block_ids": [0, -1]}, r"'remote_block_ids' must be a list .*"
+                                                      r"item 1 is -1"),
+    (1, {**GOOD_DECODE, "remote_block_ids": []}, r"'remote_block_ids' must be a list of "
+                                                 r"block ids \(ints >= 0, at least one\), "
+                                                 r"got \[\]$"),
+    (1, {**GOOD_DECODE, "do_remote_prefill": "yes"}, r"'do_remote_prefill' must be a bool"),
+    (1, {"do_remote_decode": True}, r"a decode engine \(kv_consumer\) sends no blocks: "
+                                    r"'do_remote_decode' must be False"),
+    (0, {"do_remote_decode": 1}, r"'do_remote_decode' must be a bool, got 1"),
+    (0, GOOD_DECODE, r"a prefill engine \(kv_producer\) loads no blocks: 'do_remote_prefill' "
+                     r"must be False"),
+    (0, {"do_remote_decode": True, "remote_hots": "x"}, r"kv_transfer_params has \['remote_"
+                                                        r"hots'\]; P2PConnector reads"),
+])
+def test_kv_transfer_params_are_checked_field_by_field_for_the_role(model, engine, params,
+                                                                     match):
+    """The issue's repro first: a decode engine used to accept ``do_remote_prefill`` without
+    the ids of the blocks to load; its next ``schedule()`` raised in
+    ``update_state_after_alloc``, the recovery found no culprit, and every later step raised
+    ``StepFailed`` (one request denied service to all). Now each field the connector will read
+    for its role is checked at ``add_request``, and nothing is queued."""
+    engines = make_pair(model)
+    with pytest.raises(ValueError, match=match):
+        engines[engine].add_request(PROMPTS[0], PARAMS[0], kv_transfer_params=params)
+    assert not engines[engine].has_unfinished_requests()
+    assert not engines[engine].kv_connector.busy()
+
+
+def test_kv_transfer_params_take_numbers_by_value_and_are_copied(model):
+    """numpy ids (what a proxy that kept them in an array hands on) are plain ints inside, and
+    the engine keeps its own copy: the caller's dict changed later changes nothing."""
+    import numpy as np
+
+    prefill, decode = make_pair(model)
+    given = {"do_remote_prefill": np.bool_(True), "remote_engine_id": np.int64(0),
+             "remote_request_id": np.int32(3), "remote_block_ids": np.array([4, 5])}
+    decode.add_request(PROMPTS[0], PARAMS[0], request_id=9, kv_transfer_params=given)
+    kept = decode._requests[9].seqs[0].kv_transfer_params
+    assert kept == {"do_remote_prefill": True, "remote_engine_id": 0, "remote_request_id": 3,
+                    "remote_block_ids": [4, 5]}
+    assert [type(kept[k]) for k in ("do_remote_prefill", "remote_engine_id",
+                                    "remote_request_id")] == [bool, int, int]
+    given["remote_engine_id"] = 7
+    assert kept["remote_engine_id"] == 0
+    assert decode.abort_request(9)
+    assert [o.finish_reason for o in decode.step()] == ["abort"]

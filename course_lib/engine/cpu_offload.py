@@ -39,9 +39,11 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..scheduler.output import KVConnectorMetadata
+from ..sequence import is_int
 from .kv_connector import KVConnectorBase_V1, KVConnectorRole
 
 if TYPE_CHECKING:
@@ -78,26 +80,30 @@ class CPUBlockPool:
     * ``hash_to_block``: hash -> CPU block id, an ``OrderedDict`` kept in LRU order: a hit or
       a store moves the hash to the end (``move_to_end``, O(1)), an eviction takes the first
       one not pinned (O(1), passing over at most the step's pinned blocks).
-    * ``free_blocks``: the ids holding nothing, popped from the end (block 0 first). A block
-      never returns to it: a full tier reuses its least recently used block in place; only
-      :meth:`reset` frees them all.
+    * ``num_allocated``: blocks ``0 .. num_allocated - 1`` have held a hash, the others are
+      fresh, handed out in order (block 0 first) by counting, as vLLM's manager hands out
+      fresh chunks (``_num_allocated_chunks``). A block never becomes fresh again: a full tier
+      reuses its least recently used block in place; only :meth:`reset` frees them all. A
+      counter, not a list of free ids: a tier of a million blocks costs nothing until it
+      fills, and a count too large for the machine is refused by the engine
+      (``LLMEngine._check_kv_memory``) before its tensors are allocated.
 
     **What differs from vLLM.** Its ``LRUCachePolicy`` keeps recency as ranks in a lazily
     invalidated min-heap (``_ranks``, ``_heap``, ``_evictable``): a request's blocks share one
     rank, so a request's tail is evicted before its head; pinning is a ref count on
     ``ChunkStatus`` (``vllm/v1/kv_offload/cpu/policies/base.py``), set by ``prepare_load`` and
     cleared by ``complete_load``; ``CPUOffloadingManager`` hands out fresh chunks by a counter
-    before its free list. The course keeps the plain LRU order (a hit or a store is the most
+    before its free list (of chunks freed by a failed store; the course's stores cannot
+    fail). The course keeps the plain LRU order (a hit or a store is the most
     recent use; pinned = this step's loads and stores, passed in), which one ``OrderedDict``
     holds (vLLM's other policy, ``ARCCachePolicy`` in ``policies/arc.py``, keeps its lists in
     ``OrderedDict`` objects too)."""
 
     def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"the CPU tier needs an int >= 1 of blocks, got {num_blocks!r}")
+        assert num_blocks >= 1, "the CPU tier needs a block"
         self.num_blocks = num_blocks
         self.hash_to_block: OrderedDict[bytes, int] = OrderedDict()     # LRU first
-        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() -> 0 first
+        self.num_allocated = 0                       # blocks handed out so far, 0 first
         self.num_evictions = 0
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -118,8 +124,9 @@ class CPUBlockPool:
         """A block for ``block_hash`` (not already held): a free one, else the least recently
         used one not in ``pinned`` (evicted). Returns (block, the hash it held or None), or
         None when every block is pinned (nothing changes)."""
-        if self.free_blocks:
-            block_id, evicted = self.free_blocks.pop(), None
+        if self.num_allocated < self.num_blocks:          # a fresh block
+            block_id, evicted = self.num_allocated, None
+            self.num_allocated += 1
         else:
             evicted = next((h for h, b in self.hash_to_block.items() if b not in pinned), None)
             if evicted is None:
@@ -133,12 +140,12 @@ class CPUBlockPool:
         """Empty the tier: every block free, no hash held (``num_evictions`` keeps its
         total)."""
         self.hash_to_block.clear()
-        self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.num_allocated = 0
 
     def check_invariants(self) -> None:
-        held = list(self.hash_to_block.values())
-        assert sorted(held + self.free_blocks) == list(range(self.num_blocks)), \
-            "CPU blocks held + free != all (or one is held twice)"
+        held = sorted(self.hash_to_block.values())
+        assert held == list(range(self.num_allocated)), \
+            "the CPU blocks held are not the blocks handed out (or one is held twice)"
 
 
 @dataclass
@@ -151,14 +158,20 @@ class CPUOffloadMetadata(KVConnectorMetadata):
 
 
 class CPUOffloadConnector(KVConnectorBase_V1):
-    """The CPU offload tier (module docstring). ``num_cpu_blocks``: the tier's size (or
-    :meth:`from_kv_offloading_size`); needs V1's hash prefix cache (its block hashes are the
-    tier's keys)."""
+    """The CPU offload tier (module docstring). ``num_cpu_blocks``: the tier's size, an int
+    >= 1 (numpy's too; or :meth:`from_kv_offloading_size`); its tensors are allocated when an
+    engine registers its caches, once the engine has checked them against the host's memory
+    (as it checks ``kv_offloading_size``). ``load_async``: a bool. Needs V1's hash prefix
+    cache (its block hashes are the tier's keys)."""
 
     def __init__(self, num_cpu_blocks: int, *, load_async: bool = False) -> None:
+        if not is_int(num_cpu_blocks) or num_cpu_blocks < 1:
+            raise ValueError(f"num_cpu_blocks must be an int >= 1, got {num_cpu_blocks!r:.60}")
+        if not isinstance(load_async, (bool, np.bool_)):
+            raise ValueError(f"load_async must be a bool, got {load_async!r:.60}")
         super().__init__(KVConnectorRole.SCHEDULER)
-        self.cpu_pool = CPUBlockPool(num_cpu_blocks)
-        self.load_async = load_async
+        self.cpu_pool = CPUBlockPool(int(num_cpu_blocks))
+        self.load_async = bool(load_async)
         self.block_size = 0                       # the manager's, once bound
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # scheduler side, this step

@@ -63,12 +63,14 @@ def request_params(params: SamplingParams | None, stop_token_ids: frozenset[int]
     return params
 
 
-def check_request_id(request_id: object, in_use: Container[int]) -> None:
-    """A new request id: an int >= 0 that no queued request holds."""
+def check_request_id(request_id: object, in_use: Container[int]) -> int:
+    """A new request id: an int >= 0 (numpy's too) that no queued request holds; returned as
+    a Python int, the type every output carries."""
     if not is_int(request_id) or request_id < 0:
         raise ValueError(f"request_id must be an int >= 0, got {request_id!r}")
     if request_id in in_use:
         raise ValueError(f"request id {request_id} is already in use")
+    return int(request_id)
 
 
 def generate_inputs(prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -96,8 +96,21 @@ class KVConnectorBase_V1(KVConnectorScheduler):  # noqa: N801  (vLLM's name)
 
     def register_kv_caches(self, kv_caches: list[KVCache]) -> None:
         """The runner's paged caches, one ``(key_cache, value_cache)`` per layer (vLLM's
-        ``register_kv_caches``, a dict by layer name there). Called once, by the engine."""
+        ``register_kv_caches``, a dict by layer name there). Called once, by the engine the
+        connector serves: a connector serves one engine (``LLMEngine`` refuses a connector
+        whose caches are registered, before it builds anything)."""
+        assert not self.kv_caches, "a connector serves one engine"
         self.kv_caches = kv_caches
+
+    def check_kv_transfer_params(self, kv_transfer_params: dict) -> dict:
+        """A request's ``kv_transfer_params`` (a dict), checked at the engine's door
+        (``LLMEngine.add_request``) field by field for the role this connector plays, before
+        the request is queued; returns the copy the engine keeps (values converted to the
+        plain types the connector computes with). ``ValueError`` names the field: a field the
+        connector reads only in a step would otherwise fail that step, and every step after
+        it (a recovery recomputes the request with the same parameters). The default reads no
+        field and takes any dict."""
+        return dict(kv_transfer_params)
 
     # --------------------------------------------------------------- worker side
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

@@ -124,7 +124,7 @@ class LLMEngine:
             from ..model.loader import load_tiny_model
 
             model = load_tiny_model()
-        self._check_arguments(model, scheduler_config, cache_config, clock)
+        self._check_arguments(model, scheduler_config, cache_config, clock, kv_connector)
         context = model.config.max_position
         if scheduler_config is None:
             scheduler_config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512,
@@ -135,7 +135,7 @@ class LLMEngine:
         cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256)
         if design not in DESIGNS:
             raise ValueError(f"design must be one of {tuple(DESIGNS)}, got {design!r}")
-        self._check_kv_memory(model, cache_config, design)
+        self._check_kv_memory(model, cache_config, design, kv_connector)
         self.design = design
         self.model = model
         self.tokenizer = ByteTokenizer()
@@ -188,10 +188,13 @@ class LLMEngine:
 
     @staticmethod
     def _check_arguments(model: object, scheduler_config: object, cache_config: object,
-                         clock: object) -> None:
+                         clock: object, kv_connector: object) -> None:
         """What the constructor reads before anything is built, checked with an error that
         names the argument (a dict for a config would otherwise fail deep inside with an
-        ``AttributeError``)."""
+        ``AttributeError``). A KV connector serves one engine: the course hands one object
+        both roles (``engine/kv_connector.py``), so a second engine would re-bind it to its
+        own manager and tensors under the first one, whose every step would then fail; its
+        caches, registered by the engine it serves, mark it taken."""
         for name, value, cls in (("model", model, TinyLlama),
                                  ("scheduler_config", scheduler_config, SchedulerConfig),
                                  ("cache_config", cache_config, CacheConfig)):
@@ -201,6 +204,14 @@ class LLMEngine:
         if not callable(clock):
             raise ValueError(f"clock must be a callable returning seconds (e.g. "
                              f"time.perf_counter), got {type(clock).__name__} {clock!r:.60}")
+        if kv_connector is not None and not isinstance(kv_connector, KVConnectorBase_V1):
+            raise ValueError(f"kv_connector must be None or a KVConnectorBase_V1 "
+                             f"(course_lib.engine.kv_connector), got "
+                             f"{type(kv_connector).__name__} {kv_connector!r:.60}")
+        if kv_connector is not None and kv_connector.kv_caches:
+            raise ValueError("a kv_connector serves one engine, and another engine's KV caches "
+                             "are registered with this one: build a new connector for each "
+                             "engine")
 
     @staticmethod
     def _kv_connector(model: TinyLlama, cache_config: CacheConfig, design: str,
@@ -228,7 +239,8 @@ class LLMEngine:
                 * param.element_size())
 
     @staticmethod
-    def _check_kv_memory(model: TinyLlama, cache_config: CacheConfig, design: str) -> None:
+    def _check_kv_memory(model: TinyLlama, cache_config: CacheConfig, design: str,
+                         kv_connector: KVConnectorBase_V1 | None = None) -> None:
         """``ValueError`` when the pools asked for cannot fit the machine, before any is
         built: a typo such as ``num_gpu_blocks=10**9`` would otherwise build a billion-entry
         free list and get the process killed for memory, with no message. vLLM 0.33.0 meets
@@ -237,7 +249,9 @@ class LLMEngine:
         ``num_gpu_blocks_override``); the course takes a count, so it checks the count
         against the memory instead. Counted: the GPU pool on the model's device
         (its free memory on CUDA), and in host memory the V0 swap space (``num_cpu_blocks``;
-        V1 has none) and the CPU offload tier (``kv_offloading_size``)."""
+        V1 has none) and the CPU offload tier (``kv_offloading_size``, or the
+        ``num_cpu_blocks`` of a :class:`CPUOffloadConnector` given: its tensors are allocated
+        only when the engine registers its caches, after this check)."""
         import torch
 
         block = LLMEngine._block_bytes(model, cache_config.block_size)
@@ -245,19 +259,24 @@ class LLMEngine:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         swap = cache_config.num_cpu_blocks * block if design == "v0" else 0
         tier = round((cache_config.kv_offloading_size or 0) * GiB)
+        tier_name = f"kv_offloading_size={cache_config.kv_offloading_size!r}"
+        if isinstance(kv_connector, CPUOffloadConnector):
+            tier = kv_connector.cpu_pool.num_blocks * block
+            tier_name = f"CPUOffloadConnector(num_cpu_blocks={kv_connector.cpu_pool.num_blocks})"
+        gpu = f"num_gpu_blocks={cache_config.num_gpu_blocks!r}"
         if device.type == "cuda":
-            pools = [("num_gpu_blocks", cache_config.num_gpu_blocks * block,
+            pools = [(gpu, cache_config.num_gpu_blocks * block,
                       torch.cuda.mem_get_info(device)[0], f"free memory of {device}")]
         else:
-            pools = [("num_gpu_blocks", cache_config.num_gpu_blocks * block, host,
+            pools = [(gpu, cache_config.num_gpu_blocks * block, host,
                       "host memory (the model is on the CPU)")]
             host -= pools[0][1]
-        pools += [("num_cpu_blocks", swap, host, "host memory left"),
-                  ("kv_offloading_size", tier, host - swap, "host memory left")]
+        pools += [(f"num_cpu_blocks={cache_config.num_cpu_blocks!r}", swap, host,
+                   "host memory left"),
+                  (tier_name, tier, host - swap, "host memory left")]
         for name, need, limit, where in pools:
             if need > limit:
-                value = getattr(cache_config, name)
-                raise ValueError(f"{name}={value!r} needs {format_bytes(need)} of KV cache "
+                raise ValueError(f"{name} needs {format_bytes(need)} of KV cache "
                                  f"({format_bytes(block)} per block), more than the "
                                  f"{format_bytes(max(limit, 0))} of {where}")
 
@@ -299,12 +318,15 @@ class LLMEngine:
 
         Everything is checked before anything is queued (``ValueError`` naming the bad value):
         token ids in the vocabulary, the sampling parameters (``SamplingParams`` checks its own
-        values), a new int ``request_id``, a finite ``arrival_time``. ``cache_salt`` (vLLM's
+        values), a new int ``request_id``, a finite ``arrival_time`` (numbers of any kind, by
+        value: kept as Python ints and floats). ``cache_salt`` (vLLM's
         name) gives the request its own prefix-cache namespace: only requests with an equal
         salt share cached blocks, so one tenant cannot learn another's prompts from
         ``num_cached_tokens``. ``kv_transfer_params`` (vLLM's name, V1 with a KV connector
         only): the connector's parameters for this request, e.g. a prefill/decode
-        disaggregation's ``do_remote_decode`` (:mod:`course_lib.engine.p2p_connector`).
+        disaggregation's ``do_remote_decode`` (:mod:`course_lib.engine.p2p_connector`),
+        checked field by field by the connector for the role it plays
+        (``check_kv_transfer_params``); the engine keeps the checked copy.
 
         Called while a step runs: from another thread it waits for the step to end; from
         inside the step (a hook on the stepping thread) it is queued for after the step."""
@@ -313,13 +335,16 @@ class LLMEngine:
             params = request_params(params, self.stop_token_ids, self.model.config.vocab_size)
             if request_id is None:
                 request_id = self._next_request_id
-            check_request_id(request_id, self._requests.keys() | self._deferred_ids)
-            extra = {} if kv_transfer_params is None else \
-                {"kv_transfer_params": kv_transfer_params}
-            if extra and self.design != "v1":
+            request_id = check_request_id(request_id, self._requests.keys() | self._deferred_ids)
+            if kv_transfer_params is not None and self.design != "v1":
                 raise ValueError("kv_transfer_params need design='v1' with a KV connector")
             if self.design == "v1":
                 self.scheduler.check_request(params, kv_transfer_params)
+            if kv_transfer_params is not None:       # each field, for the connector's role
+                kv_transfer_params = self.kv_connector.check_kv_transfer_params(
+                    kv_transfer_params)
+            extra = {} if kv_transfer_params is None else \
+                {"kv_transfer_params": kv_transfer_params}
             arrival = self.now() if arrival_time is None else arrival_time
             Request(request_id, ids, params, arrival, cache_salt=cache_salt)   # its checks
             if self._stepping:
@@ -361,13 +386,22 @@ class LLMEngine:
         self._counters = replace(self._counters, next_seq_id=self.scheduler.next_seq_id)
 
     def abort_request(self, request_id: int) -> bool:
-        """Stop a request wherever it is and free its blocks; False if it is not here.
+        """Stop a request wherever it is and free its blocks; False if it is not here. Its
+        final output (``finish_reason="abort"``, the tokens it had) is returned by the next
+        :meth:`step`: every request added is answered exactly once. vLLM 0.33.0 answers an
+        abort the same way where a client waits on the request (``AsyncLLM``, the server):
+        ``OutputProcessor.abort_requests`` (``vllm/v1/engine/output_processor.py``) puts a
+        final ``RequestOutput`` with ``FinishReason.ABORT`` on the request's queue at once;
+        its offline ``LLMEngine`` (``vllm/v1/engine/llm_engine.py``, ``abort_request``)
+        registers no queue and answers nothing. The course's one way out is ``step()``.
+
         Called while a step runs: from another thread it waits for the step to end; from
-        inside the step it takes effect after it (True if the request is here now)."""
+        inside the step it takes effect after it (True if the request is here now; it is then
+        answered by the next step, unless the running step finishes it first)."""
         with self._lock:
             if self._stepping:
                 self._deferred.append(partial(self._abort, request_id))
-                return request_id in self._requests
+                return request_id in self._requests or request_id in self._deferred_ids
             return self._abort(request_id)
 
     def _abort(self, request_id: int) -> bool:
@@ -378,22 +412,26 @@ class LLMEngine:
             self.scheduler.abort_request(request_id)
             req.finished_time = self.now()
             self.metrics.forget(req)
-        except BaseException as exc:           # recovered, with the request aborted
-            self._recovery = {request_id: (SequenceStatus.FINISHED_ABORTED,
+            answer = request_output(req, self.tokenizer)
+        except BaseException as exc:           # recovered, with the request aborted and
+            self._recovery = {request_id: (SequenceStatus.FINISHED_ABORTED,   # answered
                                            "aborted by the user")}
             self._recover_now()
-            self._unreturned = [o for o in self._unreturned if o.request_id != request_id]
             if not isinstance(exc, Exception):
                 raise
             return True
         self._records.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._seeds.pop(request_id, None)
+        self._unreturned.append(answer)
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """Requests to run, or answers (an abort's, a recovery's) the next ``step()`` returns:
+        a loop ``while engine.has_unfinished_requests(): engine.step()`` answers every
+        request."""
         return self.scheduler.has_unfinished_requests() or bool(self._deferred) \
-            or self._recovery is not None
+            or self._recovery is not None or bool(self._unreturned)
 
     # --------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -573,8 +611,10 @@ class LLMEngine:
                  progress: bool = False,
                  on_step: Callable[[LLMEngine, SchedulerOutput], None] | None = None
                  ) -> list[RequestOutput]:
-        """Run ``prompts`` (all arriving now) to completion; outputs in the prompts' order.
-        ``on_step(engine, scheduler_output)`` is called after every step (for drawings)."""
+        """Run ``prompts`` (all arriving now) to completion; outputs in the prompts' order,
+        one per prompt: a request another thread aborts comes back with
+        ``finish_reason="abort"`` (:meth:`abort_request`). ``on_step(engine,
+        scheduler_output)`` is called after every step (for drawings)."""
         prompts, params = generate_inputs(prompts, params, self._check_prompt, on_step=on_step,
                                           vocab_size=self.model.config.vocab_size)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -582,8 +622,9 @@ class LLMEngine:
         done: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), disable=not progress, desc="generate", unit="req")
         while wanted - done.keys():
-            if not self.has_unfinished_requests():
-                raise RuntimeError(f"requests {sorted(wanted - done.keys())} vanished")
+            if not self.has_unfinished_requests():     # a bug: every request is answered
+                raise RuntimeError(f"requests {sorted(wanted - done.keys())} were never "
+                                   f"answered")
             for o in self.step():
                 if o.request_id in wanted:
                     done[o.request_id] = o

@@ -84,10 +84,11 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ..scheduler.output import KVConnectorMetadata
-from ..sequence import SequenceStatus
+from ..sequence import SequenceStatus, finite_float, is_int
 from ..sizing.units import cdiv
 from .kv_connector import KVConnectorBase_V1, KVConnectorRole
 from .p2p_transport import P2PTransport, ReadRequest, Transfer
@@ -101,6 +102,10 @@ if TYPE_CHECKING:
 
 STATUS_OK, STATUS_GONE = 1, 2               # a read request's answer
 KV_ROLES = ("kv_producer", "kv_consumer")   # vLLM's kv_role values (kv_both is not built)
+#: the fields of ``kv_transfer_params`` the connector reads (module docstring, steps 1-2)
+KV_TRANSFER_FIELDS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id",
+                      "remote_request_id", "remote_block_ids")
+MAX_REQUEST_ID = 2 ** 63                     # ids travel as int64 (a read request's tensor)
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,9 @@ class P2PConnector(KVConnectorBase_V1):
     disaggregated deployment (module docstring). ``transport``: this engine's
     :class:`~course_lib.engine.p2p_transport.P2PTransport` (its rank in the world of all
     engines, the groups and backend its messages use). ``abort_timeout_s``: how long the
-    prefill side holds blocks no decode engine asks for."""
+    prefill side holds blocks no decode engine asks for, a finite number of seconds > 0 (any
+    real number, kept as a float). A request's ``kv_transfer_params`` are checked for the
+    role at the engine's door (:meth:`check_kv_transfer_params`)."""
 
     def __init__(self, kv_role: str, transport: P2PTransport, *,
                  abort_timeout_s: float = 120.0) -> None:
@@ -165,13 +172,17 @@ class P2PConnector(KVConnectorBase_V1):
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {kv_role!r}")
         if not isinstance(transport, P2PTransport):
             raise ValueError(f"transport must be a P2PTransport, got {transport!r}")
-        if isinstance(abort_timeout_s, bool) or not isinstance(abort_timeout_s, (int, float)) \
-                or not abort_timeout_s > 0:
-            raise ValueError(f"abort_timeout_s must be > 0, got {abort_timeout_s!r}")
+        try:                                 # any real number, by value, kept as a float
+            seconds = finite_float(abort_timeout_s, "abort_timeout_s")
+        except ValueError:
+            seconds = 0.0
+        if not seconds > 0:
+            raise ValueError(f"abort_timeout_s must be a number of seconds > 0, got "
+                             f"{abort_timeout_s!r:.60}")
         super().__init__(KVConnectorRole.SCHEDULER)
         self.kv_role = kv_role
         self.transport = transport
-        self.abort_timeout_s = abort_timeout_s
+        self.abort_timeout_s = seconds
         self.block_size = 0
         self.layout: KVLayout | None = None
         self.peer_layouts: dict[int, KVLayout] = {}
@@ -246,6 +257,71 @@ class P2PConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------ scheduler side
     def _params(self, seq: Sequence) -> dict:
         return seq.kv_transfer_params or {}
+
+    def check_kv_transfer_params(self, kv_transfer_params: dict) -> dict:
+        """The door (``LLMEngine.add_request``; the contract is the base class's): only the
+        fields the protocol knows (``KV_TRANSFER_FIELDS``; a typo would silently compute
+        everything here), ``do_remote_decode`` / ``do_remote_prefill`` bools, each for the
+        role that acts on it; with ``do_remote_prefill`` (a decode engine) the fields step 3
+        reads: ``remote_engine_id``, the rank of a prefill engine this one met at
+        :meth:`connect` (any other rank 0..2**63 before it), ``remote_request_id`` an int in
+        ``[0, 2**63)`` (both travel in an int64 read request), and ``remote_block_ids``, a
+        list of block ids >= 0, at least one (what the prefill engine returned; the course
+        reads its count from the blocks the prefill side holds). A copy with plain Python
+        values is returned. vLLM 0.33.0's NIXL connector finds missing fields only when it
+        allocates (``update_state_after_alloc`` in ``nixl/pull_scheduler.py``: "Got invalid
+        KVTransferParams", logged, and the request computes everything itself); here, without
+        the check, they failed every step (the recovery recomputes with the same
+        parameters)."""
+        params = dict(kv_transfer_params)
+        unknown = sorted(map(str, params.keys() - set(KV_TRANSFER_FIELDS)))
+        if unknown:
+            raise ValueError(f"kv_transfer_params has {unknown}; P2PConnector reads "
+                             f"{list(KV_TRANSFER_FIELDS)}")
+        for name in ("do_remote_decode", "do_remote_prefill"):
+            if name in params:
+                if not isinstance(params[name], (bool, np.bool_)):
+                    raise ValueError(f"kv_transfer_params: {name!r} must be a bool, got "
+                                     f"{params[name]!r:.60}")
+                params[name] = bool(params[name])
+        if params.get("do_remote_prefill") and self.kv_role == "kv_producer":
+            raise ValueError("a prefill engine (kv_producer) loads no blocks: "
+                             "'do_remote_prefill' must be False here (send the request with "
+                             "it to a decode engine)")
+        if params.get("do_remote_decode") and self.kv_role == "kv_consumer":
+            raise ValueError("a decode engine (kv_consumer) sends no blocks: "
+                             "'do_remote_decode' must be False here (send the request with it "
+                             "to a prefill engine)")
+        if not params.get("do_remote_prefill"):
+            return params
+        rank = self.transport.rank
+        prefill = sorted(self.peer_layouts)
+        engine = params.get("remote_engine_id")
+        if not is_int(engine) or (engine not in prefill if prefill else
+                                  not 0 <= engine < MAX_REQUEST_ID or engine == rank):
+            where = f"one of {prefill}" if prefill else f"an int >= 0, not this one ({rank})"
+            raise ValueError(f"kv_transfer_params: 'remote_engine_id' must be the rank of a "
+                             f"prefill engine ({where}), got {engine!r:.60}")
+        request = params.get("remote_request_id")
+        if not is_int(request) or not 0 <= request < MAX_REQUEST_ID:
+            raise ValueError(f"kv_transfer_params: 'remote_request_id' must be an int in "
+                             f"[0, 2**63), got {request!r:.60}")
+        blocks = params.get("remote_block_ids")
+        try:
+            if isinstance(blocks, (str, bytes)):
+                raise TypeError
+            ids = list(blocks)
+        except TypeError:
+            raise ValueError(f"kv_transfer_params: 'remote_block_ids' must be a list of block "
+                             f"ids (ints >= 0, at least one), got {blocks!r:.60}") from None
+        bad = next((i for i, b in enumerate(ids) if not is_int(b) or b < 0), None)
+        if bad is not None or not ids:
+            item = f"; item {bad} is {ids[bad]!r:.60}" if bad is not None else ""
+            raise ValueError(f"kv_transfer_params: 'remote_block_ids' must be a list of block "
+                             f"ids (ints >= 0, at least one), got {blocks!r:.60}{item}")
+        params.update(remote_engine_id=int(engine), remote_request_id=int(request),
+                      remote_block_ids=[int(b) for b in ids])
+        return params
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int
                                    ) -> tuple[int, bool]:

@@ -62,7 +62,7 @@ from typing import Any
 
 from ..config import CacheConfig, SchedulerConfig
 from ..engine.outputs import RequestOutput
-from ..sequence import SamplingParams
+from ..sequence import SamplingParams, finite_float, is_int, token_ids_or_error
 from .launch import _die_with_parent, _kill_group, free_port
 
 ROLES = ("kv_producer", "kv_consumer")
@@ -278,9 +278,10 @@ OVERRIDABLE = ("block_size", "dtype", "attn_impl", "device", "scheduler_config",
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
-def _check_engine_fields(rank: int | None, fields: Any) -> None:
+def _check_engine_fields(rank: int | None, fields: Any) -> dict[str, Any]:
     """``ValueError`` naming the engine and the field for an override the engine process
-    would fail on (or, worse, start with), before any process starts."""
+    would fail on (or, worse, start with), before any process starts; the fields with their
+    numbers as plain ints and floats (numbers are taken by value)."""
     from ..kernels.backends import ATTN_BACKENDS
 
     where = "DisaggCluster" if rank is None else f"overrides[{rank}]"
@@ -291,23 +292,35 @@ def _check_engine_fields(rank: int | None, fields: Any) -> None:
         raise ValueError(f"{where} names {unknown}; an override may change {OVERRIDABLE}")
 
     def bad(name: str, value: Any, valid: str) -> ValueError:
-        return ValueError(f"{where}: {name} must be {valid}, got {value!r}")
+        return ValueError(f"{where}: {name} must be {valid}, got {value!r:.60}")
 
+    out = dict(fields)
     for name, value in fields.items():
         if name == "dtype" and value not in DTYPES:
             raise bad(name, value, f"one of {DTYPES}")
         if name == "attn_impl" and value not in ATTN_BACKENDS:
             raise bad(name, value, f"one of {ATTN_BACKENDS}")
-        if name == "exit_after_layers" and value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise bad(name, value, "None or an int >= 1")
-        if name in ("abort_timeout_s", "pair_timeout_s") and (
-                isinstance(value, bool) or not isinstance(value, (int, float))
-                or not value > 0):
-            raise bad(name, value, "a number of seconds > 0")
+        if name == "exit_after_layers" and value is not None:
+            if not is_int(value) or value < 1:
+                raise bad(name, value, "None or an int >= 1")
+            out[name] = int(value)
+        if name in ("abort_timeout_s", "pair_timeout_s"):
+            out[name] = _seconds(value)
+            if out[name] is None:
+                raise bad(name, value, "a number of seconds > 0")
         if name == "scheduler_config" and not (value is None
                                                or isinstance(value, SchedulerConfig)):
             raise bad(name, value, "None or a SchedulerConfig")
+    return out
+
+
+def _seconds(value: Any) -> float | None:
+    """``value`` as a finite float > 0 (any real number, by value), or None."""
+    try:
+        seconds = finite_float(value, "seconds")
+    except ValueError:
+        return None
+    return seconds if seconds > 0 else None
 
 
 class DisaggCluster:
@@ -319,7 +332,9 @@ class DisaggCluster:
     fault (``exit_after_layers``). Prefill engines are ranks ``0 .. num_prefill - 1``.
     ``timeout_s``: how long starting, and each :meth:`generate`, may take. ``device``:
     ``"cpu"``, ``"cuda"`` or ``"auto"`` (module docstring, *Devices and the data path*);
-    :attr:`data_backend` and :meth:`data_path` say what the K/V travels on.
+    :attr:`data_backend` and :meth:`data_path` say what the K/V travels on. Every argument
+    is checked (``ValueError`` naming it) before any process starts: an engine process takes
+    seconds to start and would report a bad one only then.
 
     Use it as a context manager (``with DisaggCluster(1, 1) as c: c.generate(...)``), or call
     :meth:`close`."""
@@ -330,25 +345,40 @@ class DisaggCluster:
                  overrides: dict[int, dict[str, Any]] | None = None,
                  timeout_s: float = 120.0, device: str = "auto") -> None:
         for name, n in (("num_prefill", num_prefill), ("num_decode", num_decode)):
-            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 4:
+            if not is_int(n) or not 1 <= n <= 4:
                 raise ValueError(f"{name} must be an int in 1..4 (processes on this machine), "
-                                 f"got {n!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+                                 f"got {n!r:.60}")
+        num_prefill, num_decode = int(num_prefill), int(num_decode)
+        seconds = _seconds(timeout_s)
+        if seconds is None:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r:.60}")
+        timeout_s = seconds
+        if cache_config is not None and not isinstance(cache_config, CacheConfig):
+            raise ValueError(f"cache_config must be None or a CacheConfig, got "
+                             f"{type(cache_config).__name__} {cache_config!r:.60}")
         device = resolve_device(device)
         cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256,
                                                    enable_prefix_caching=True)
         if not cache_config.enable_prefix_caching or cache_config.prefix_cache != "hash":
             raise ValueError("disaggregation runs V1's KVCacheManager: give a CacheConfig with "
                              "enable_prefix_caching=True and prefix_cache='hash'")
+        if cache_config.kv_offloading_size is not None:
+            raise ValueError(f"cache_config sets kv_offloading_size="
+                             f"{cache_config.kv_offloading_size!r}, a CPU tier, which is a KV "
+                             f"connector; a disaggregated engine's connector is its "
+                             f"P2PConnector, and an engine has one: give a CacheConfig "
+                             f"without kv_offloading_size")
         world = num_prefill + num_decode
-        overrides = overrides or {}
-        bad = [r for r in overrides if not (isinstance(r, int) and 0 <= r < world)]
+        if overrides is not None and not isinstance(overrides, dict):
+            raise ValueError(f"overrides must be None or a dict rank -> fields, got "
+                             f"{overrides!r:.60}")
+        bad = [r for r in overrides or {} if not (is_int(r) and 0 <= r < world)]
         if bad:
             raise ValueError(f"overrides name ranks {bad}; the ranks are 0..{world - 1}")
-        _check_engine_fields(None, {"attn_impl": attn_impl})
-        for rank, fields in overrides.items():
-            _check_engine_fields(rank, fields)
+        _check_engine_fields(None, {"attn_impl": attn_impl,
+                                    "scheduler_config": scheduler_config})
+        overrides = {int(rank): _check_engine_fields(rank, fields)
+                     for rank, fields in (overrides or {}).items()}
         self.specs = []
         for rank in range(world):
             spec = EngineSpec(rank, ROLES[rank >= num_prefill], cache_config,
@@ -500,16 +530,41 @@ class DisaggCluster:
         self._hop(route, "proxy", f"sent to {self._where(rank)}")
         return True
 
+    @staticmethod
+    def _check_request(prompt: Any, params: Any) -> tuple[list[int], SamplingParams]:
+        """A prompt (token ids >= 0, at least one; the engines check them against their
+        vocabulary) and its ``SamplingParams`` (None: the defaults, n=1, no beam search), or
+        ``ValueError`` naming the bad one."""
+        ids = list(token_ids_or_error(prompt, what="prompt"))
+        if not ids:
+            raise ValueError("the prompt must hold at least one token")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be None or a SamplingParams, got "
+                             f"{type(params).__name__} {params!r:.60}")
+        if params.n != 1 or params.use_beam_search:
+            raise ValueError("disaggregated requests have n=1 and no beam search, got "
+                             f"n={params.n}, use_beam_search={params.use_beam_search}")
+        return ids, params
+
+    def _route(self, request_id: Any) -> _Route:
+        if not is_int(request_id) or request_id not in self.routes:
+            known = f"0..{self._next_id - 1}" if self._next_id else "none yet"
+            raise ValueError(f"request {request_id!r:.60} was never submitted (submitted: "
+                             f"{known})")
+        return self.routes[request_id]
+
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, *,
                pause_after_prefill: bool = False) -> int:
         """Send one prompt (token ids) to a prefill engine; its request id. With
         ``pause_after_prefill`` the proxy keeps the prefill engine's answer until
-        :meth:`resume` (to look at the cluster while the blocks wait)."""
-        params = params or SamplingParams()
-        if params.n != 1 or params.use_beam_search:
-            raise ValueError("disaggregated requests have n=1 and no beam search, got "
-                             f"n={params.n}, use_beam_search={params.use_beam_search}")
-        route = _Route(self._next_id, list(prompt), params, pause=pause_after_prefill)
+        :meth:`resume` (to look at the cluster while the blocks wait). Checked before
+        anything is sent (``ValueError``)."""
+        prompt, params = self._check_request(prompt, params)
+        if not isinstance(pause_after_prefill, bool):
+            raise ValueError(f"pause_after_prefill must be a bool, got "
+                             f"{pause_after_prefill!r:.60}")
+        route = _Route(self._next_id, prompt, params, pause=pause_after_prefill)
         self._next_id += 1
         self.routes[route.request_id] = route
         if not self._send_prefill(route):
@@ -518,7 +573,7 @@ class DisaggCluster:
 
     def resume(self, request_id: int) -> None:
         """Send a request paused after its prefill on to a decode engine."""
-        route = self.routes[request_id]
+        route = self._route(request_id)
         if not route.pause:
             raise ValueError(f"request {request_id} was not paused")
         route.pause = False
@@ -529,6 +584,8 @@ class DisaggCluster:
              ) -> list[RequestOutput | None]:
         """Serve the engines' messages until the requests finished (or, with ``prefilled``,
         until their prefill finished: None for those); their outputs in order."""
+        request_ids = [self._route(r).request_id for r in request_ids]
+
         def ready(rid: int) -> bool:
             return rid in self._results or (prefilled and self.routes[rid].prefilled)
         deadline = time.monotonic() + self.timeout_s
@@ -543,11 +600,23 @@ class DisaggCluster:
                  params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run the prompts (token ids) through the cluster; their outputs in order. A request
-        whose engines died is retried on live ones, or fails alone (module docstring)."""
+        whose engines died is retried on live ones, or fails alone (module docstring). Every
+        prompt and ``SamplingParams`` is checked before the first is sent."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a list of prompts (token ids), got "
+                             f"{type(prompts).__name__} {prompts!r:.60}")
         if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params] * len(prompts)
+        elif isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+            raise ValueError(f"params must be None, a SamplingParams or a list of them (one "
+                             f"per prompt), got {type(params).__name__} {params!r:.60}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                self._check_request(prompt, p)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
         ids = [self.submit(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
         return self.wait(ids)
 
