@@ -17,6 +17,12 @@ KERNEL_DISPLAY := Python 3 (paged-kv-course)
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 	--nbval-cell-timeout 600
 
+# In parallel (pytest-xdist): one worker per CPU (-n auto; 1 on one core), each notebook whole on
+# one worker (its cells share one kernel) and so are a module's tests that share a fixture it
+# builds once; every other test goes to the next free worker (tests/conftest.py sets the groups).
+# XDIST= runs everything in this process, one test after another.
+XDIST ?= -n auto --dist loadgroup
+
 # Stored outputs must not depend on the backend: after the run under the automatic backend
 # (Triton's interpreter on a CPU, triton-cuda on a GPU) the notebooks run again under each of
 # these (COURSE_BACKEND, see README). tests/conftest.py is loaded as a plugin for its chNN marks.
@@ -26,7 +32,7 @@ ALSO_BACKENDS ?= torch-reference
 AGAIN_CPU ?= default
 NBVAL_AGAIN = for b in $(ALSO_BACKENDS); do \
 	ATEN_CPU_CAPABILITY=$(AGAIN_CPU) COURSE_BACKEND=$$b \
-	$(PY) -m pytest -p tests.conftest notebooks $(NBVAL) $(1) || exit 1; done
+	$(PY) -m pytest -p tests.conftest notebooks $(NBVAL) $(XDIST) $(1) || exit 1; done
 
 # make test-chapter CH=00_setup (or CH=00): the chapter's notebook plus the tests marked chNN.
 CH ?=
@@ -36,8 +42,8 @@ CH_NUM = $(firstword $(subst _, ,$(CH)))
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .DEFAULT_GOAL := help
-.PHONY: help install lab test test-fast test-chapter test-notebooks test-browser test-fidelity \
-	book lint clean
+.PHONY: help install lab test test-fast test-chapter test-notebooks test-deep test-browser \
+	test-fidelity book lint clean
 
 help:
 	@echo "make lab                    start JupyterLab on notebooks/ (installs .venv first if needed)"
@@ -45,6 +51,7 @@ help:
 	@echo "make test-fast              unit tests only"
 	@echo "make test-chapter CH=00_setup   one chapter: its notebook and the tests marked ch00"
 	@echo "make test-notebooks CPU=avx2    every notebook with nbval, torch's CPU kernels forced"
+	@echo "make test-deep              the property tests alone, with ten times the examples"
 	@echo "make test-browser           every chapter in JupyterLab driven by Chromium (needs /usr/bin/chromium)"
 	@echo "make test-fidelity          the V1 and radix managers beside vLLM 0.33.0's and SGLang 0.5.23's code"
 	@echo "make book                   the course as a static HTML book in build/book/ (stored outputs)"
@@ -77,22 +84,27 @@ lab: $(LAB_STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check course_lib tests bench
-	$(PY) -m pytest tests notebooks $(NBVAL)
+	$(PY) -m pytest tests notebooks $(NBVAL) $(XDIST) --durations=25
 	$(call NBVAL_AGAIN)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(XDIST)
 
 test-chapter: $(STAMP)
 	@test -n "$(CH)" || { echo "usage: make test-chapter CH=00_setup"; exit 2; }
-	$(PY) -m pytest tests notebooks $(NBVAL) -m ch$(CH_NUM)
+	$(PY) -m pytest tests notebooks $(NBVAL) $(XDIST) -m ch$(CH_NUM)
 	$(call NBVAL_AGAIN,-m ch$(CH_NUM))
 
 # Every notebook once more, with torch's CPU kernels forced to CPU (default, avx2, avx512):
 # stored outputs must be the same whatever vector unit computed them (.ci/run uses avx2).
 CPU ?= default
 test-notebooks: $(STAMP)
-	ATEN_CPU_CAPABILITY=$(CPU) $(PY) -m pytest -p tests.conftest notebooks $(NBVAL)
+	ATEN_CPU_CAPABILITY=$(CPU) $(PY) -m pytest -p tests.conftest notebooks $(NBVAL) $(XDIST)
+
+# The property tests alone (-m hypothesis: every @given test and state machine) with ten times
+# the examples each draws in `make test` (tests/property_budget.py); .ci/run runs it.
+test-deep: $(STAMP)
+	HYPOTHESIS_PROFILE=deep $(PY) -m pytest tests -m hypothesis $(XDIST) --durations=10
 
 # A learner's walk in a real browser: JupyterLab on 127.0.0.1 + Playwright driving Debian's chromium.
 test-browser: $(STAMP)

@@ -520,7 +520,7 @@ def _ratio_cell(mine: list[float], theirs: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="150 requests, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="150 requests, 1 round")
     parser.add_argument("--baseline", help="a git revision to compare with")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=2000)
@@ -533,7 +533,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker)
         return
-    n, rounds = (150, 2) if args.quick else (args.requests, args.rounds)
+    n, rounds = (150, 1) if args.quick else (args.requests, args.rounds)
     blocks = 4096
     load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() \
         else "?"

@@ -66,7 +66,7 @@ def run(trace, x: int, y: int, decode_sc: SchedulerConfig | None = None) -> Depl
 
 def workloads(quick: bool) -> dict[str, tuple[Callable[[float], list], float]]:
     """name -> (trace of a rate, the rate of the table)."""
-    return study_workloads(*((80, 150) if quick else (200, 400)))
+    return study_workloads(*((40, 150) if quick else (200, 400)))
 
 
 def print_row(r: DeploymentResult, slo: SLO) -> None:
@@ -101,7 +101,7 @@ def section_replay(quick: bool) -> None:
     # decode-heavy requests, every rate up to 50 req/s ends before the decode batches fill the
     # pools, and colocated and 1P3D both "pass" everything. 1,000 requests (and 400 prefill-heavy
     # ones) separate them.
-    sweep_sizes = (80, 150) if quick else (400, 1000)
+    sweep_sizes = (40, 80) if quick else (400, 1000)
     print(f"\nDistServe's goodput: the highest rate (req/s) at which >= 90% of the requests "
           f"meet the SLO, and per GPU ('>=': the highest rate tried passed); traces of "
           f"{sweep_sizes[0]} prefill-heavy and {sweep_sizes[1]} decode-heavy requests")

@@ -171,7 +171,7 @@ def main() -> None:
         print("no GPU here: CPU figures (the engine's batched torch attention path)")
     model = load_tiny_model()
     if args.quick:
-        table_throughput(model, 24, [64])
+        table_throughput(model, 12, [64])
         table_sharing(model, 6, [2])
         table_waiting_queue(model, [0, 1000], 5)
     else:

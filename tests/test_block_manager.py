@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memory_helpers import snapshot
+from property_budget import examples
 
 from course_lib.memory.common import AllocStatus
 from course_lib.memory.v0.fast import FastBlockManager
@@ -593,7 +594,7 @@ def test_differs_from_v0_prefix_counters_survive_a_reset():
 
 
 # ------------------------------------------------ the scheduler's decode path, fused
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(bs=st.sampled_from([1, 2, 4]), blocks=st.integers(3, 12), caching=st.booleans(),
        ops=st.lists(st.tuples(st.sampled_from(["admit", "decode", "decode", "decode", "fork",
                                                "split", "mark", "free"]),

@@ -18,6 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from memory_helpers import snapshot
+from property_budget import examples
 
 from course_lib.memory.v0.fast import FastBlockManager
 from course_lib.memory.v0.manager import BlockManager
@@ -175,7 +176,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.m.num_free_cpu_blocks == self.m.num_cpu_blocks
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+BlockManagerMachine.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=40,
                                                  deadline=None)
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 
@@ -185,6 +186,6 @@ class FastBlockManagerMachine(BlockManagerMachine):
     manager_class = FastBlockManager
 
 
-FastBlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
-                                                     deadline=None)
+FastBlockManagerMachine.TestCase.settings = settings(max_examples=examples(60),
+                                                     stateful_step_count=40, deadline=None)
 TestFastBlockManagerStateful = FastBlockManagerMachine.TestCase

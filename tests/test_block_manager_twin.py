@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memory_helpers import snapshot
+from property_budget import examples
 
 from course_lib.memory.common import AllocStatus
 from course_lib.memory.v0.fast import FastBlockManager
@@ -148,7 +149,7 @@ CONFIGS = dict(bs=st.sampled_from([1, 2, 4]), gpu=st.integers(2, 24), cpu=st.int
                                       st.integers(0, 26)), min_size=5, max_size=60))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(**CONFIGS)
 def test_the_twin_answers_and_ends_as_the_plain_manager(bs, gpu, cpu, caching, watermark,
                                                           weak, ops):

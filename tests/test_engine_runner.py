@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from course_lib.config import CacheConfig
 from course_lib.engine import model_runner
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.ch10
 torch.set_num_threads(1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6),
        st.sampled_from([1, 4, 16]), st.sampled_from([(4, 4), (8, 2), (4, 1)]), st.integers(0, 99))
 def test_batched_attention_equals_the_reference(seqs, block_size, heads, seed) -> None:

@@ -57,9 +57,23 @@ def stub_like(answer):
     return stub
 
 
+@pytest.fixture(scope="module")
+def verdict_of():
+    """``verdict_of(ex, answer)``: the checker's verdict on one answer, computed once for the
+    module: several tests read the same verdicts (the solution's; each rule's wrong answer is
+    one of the plausible wrong answers), and a capstone checker replays whole engine runs."""
+    seen = {}
+
+    def verdict(ex: Exercise, answer):
+        if (ex.number, answer) not in seen:
+            seen[ex.number, answer] = ex.checker(answer)
+        return seen[ex.number, answer]
+    return verdict
+
+
 @pytest.mark.parametrize("module, ex", CASES)
-def test_the_solution_passes(module, ex: Exercise):
-    verdict = ex.checker(ex.solution)
+def test_the_solution_passes(module, ex: Exercise, verdict_of):
+    verdict = verdict_of(ex, ex.solution)
     assert verdict.ok, str(verdict)
 
 
@@ -78,10 +92,10 @@ def test_answers_that_do_nothing_fail(module, ex: Exercise):
 
 
 @pytest.mark.parametrize("module, ex", CASES)
-def test_plausible_wrong_answers_fail_with_a_first_difference(module, ex: Exercise):
+def test_plausible_wrong_answers_fail_with_a_first_difference(module, ex: Exercise, verdict_of):
     assert ex.wrong, f"{ex.number}: list at least one plausible wrong answer"
     for answer in ex.wrong:
-        verdict = ex.checker(answer)
+        verdict = verdict_of(ex, answer)
         assert verdict.attempted and not verdict.ok, (answer, str(verdict))
         assert verdict.first_problem, str(verdict)
 
@@ -92,16 +106,16 @@ def pinned(rule: Rule, described: tuple[str, ...]) -> list[str]:
 
 
 @pytest.mark.parametrize("module, ex", CASES)
-def test_every_rule_is_pinned_by_a_case_its_wrong_answer_fails(module, ex: Exercise):
+def test_every_rule_is_pinned_by_a_case_its_wrong_answer_fails(module, ex: Exercise, verdict_of):
     """Each rule the statement states has a case among the checker's, and the answer that
     drops the rule fails that very case (not merely some case)."""
     assert ex.rules, f"{ex.number}: list the rules its statement states (Exercise.rules)"
-    cases = ex.checker(ex.solution).cases
+    cases = verdict_of(ex, ex.solution).cases
     for rule in ex.rules:
         assert pinned(rule, cases), (f"{ex.number}: no case of the checker is {rule.case!r}, "
                                      f"which should pin {rule.text!r}")
         assert rule.wrong in ex.wrong
-        verdict = ex.checker(rule.wrong)
+        verdict = verdict_of(ex, rule.wrong)
         assert verdict.attempted and not verdict.ok, (rule.text, str(verdict))
         assert pinned(rule, verdict.failed), (
             f"{ex.number}: dropping {rule.text!r} does not fail {rule.case!r}; it fails "
@@ -119,12 +133,13 @@ def test_the_library_pointer_detector():
 
 
 @pytest.mark.parametrize("module, ex", CASES)
-def test_hints_point_to_ideas_and_the_library_comes_after_a_pass(module, ex: Exercise):
+def test_hints_point_to_ideas_and_the_library_comes_after_a_pass(module, ex: Exercise,
+                                                                 verdict_of):
     """No hint sends the learner to the library function that is the answer; where there is
     code to compare with, the verdict of a pass says so."""
     for hint in ex.hints:
         assert not LIBRARY_POINTER.search(hint), f"{ex.number}: {hint}"
-    verdict = ex.checker(ex.solution)
+    verdict = verdict_of(ex, ex.solution)
     if ex.compare_with:
         assert str(verdict).endswith(f"now compare with {ex.compare_with}"), str(verdict)
 

@@ -31,6 +31,7 @@ from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from memory_helpers import load_fault_sites
+from property_budget import examples
 
 from course_lib.engine import llm_engine, recovery
 from course_lib.engine.llm_engine import LLMEngine
@@ -546,9 +547,10 @@ def test_harness_sees_an_abort_racing_the_step(model, sites, monkeypatch):
     print(f"\n{caught.value}")
 
 
+@pytest.mark.hypothesis         # a state machine run by hand: `make test-deep` selects it too
 def test_requests_aborts_steps_and_faults_in_any_order(model, sites, recorded):
     # no shrinking: a failing run of steps is printed as found (shrinking one takes minutes)
-    m = settings(max_examples=15, stateful_step_count=25, deadline=None,
+    m = settings(max_examples=examples(15), stateful_step_count=25, deadline=None,
                  phases=[Phase.explicit, Phase.reuse, Phase.generate])(type(machine(
                      model, sites, recorded)))
     StepMachine.seen.clear()

@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from memory_helpers import pool_state
+from property_budget import examples
 
 from course_lib.memory.v1.block_pool import (
     HASH_FUNCTIONS,
@@ -305,4 +306,4 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
 
 
 TestKVCacheManagerStateful = KVCacheManagerMachine.TestCase
-TestKVCacheManagerStateful.settings = settings(max_examples=80, stateful_step_count=40)
+TestKVCacheManagerStateful.settings = settings(max_examples=examples(80), stateful_step_count=40)

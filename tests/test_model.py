@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from course_lib.model.attention import AttentionMetadata, make_attention_metadata
 from course_lib.model.config import ModelConfig
@@ -33,7 +34,7 @@ def model() -> TinyLlama:
 # ---------------------------------------------------------------- tokenizer
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.text())
 def test_tokenizer_round_trips_any_text(text: str) -> None:
     ids = TOK.encode(text, add_bos=True, add_eos=True)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from property_budget import examples
 
 from course_lib.memory.radix.allocator import SlotPool
 from course_lib.memory.radix.radix_cache import RadixCache
@@ -122,4 +123,4 @@ class RadixMachine(RuleBasedStateMachine):
 
 
 TestRadixStateful = RadixMachine.TestCase
-TestRadixStateful.settings = settings(max_examples=80, stateful_step_count=40)
+TestRadixStateful.settings = settings(max_examples=examples(80), stateful_step_count=40)

@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 from memory_helpers import pool_state, tables, v1_state
+from property_budget import examples
 from test_kv_cache_manager import KVCacheManagerMachine
 
 from course_lib.config import CacheConfig, SchedulerConfig
@@ -302,7 +303,7 @@ class RadixManagerMachine(KVCacheManagerMachine):
 
 
 TestRadixManagerStateful = RadixManagerMachine.TestCase
-TestRadixManagerStateful.settings = settings(max_examples=80, stateful_step_count=40)
+TestRadixManagerStateful.settings = settings(max_examples=examples(80), stateful_step_count=40)
 
 
 class _WalkingManager(RadixKVCacheManager):

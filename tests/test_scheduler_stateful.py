@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 from test_scheduler import reference_beam_search
 
 from course_lib.config import CacheConfig, SchedulerConfig
@@ -32,7 +33,7 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(150))
 @given(requests=st.lists(request_st, min_size=3, max_size=12),
        block_size=st.sampled_from([1, 2, 4]), mode=st.sampled_from(["recompute", "swap"]),
        caching=st.booleans(), chunked=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from property_budget import examples
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.scheduler.scheduler import Scheduler
@@ -41,7 +42,7 @@ request_st = st.tuples(st.lists(st.integers(1, 6), min_size=1, max_size=30),
                        st.integers(1, 12), st.sampled_from([1, 1, 2, 3]))
 
 
-@settings(max_examples=120)
+@settings(max_examples=examples(120))
 @given(requests=st.lists(request_st, min_size=1, max_size=8),
        block_size=st.sampled_from([1, 2, 4, 16]), blocks=st.integers(4, 60),
        caching=st.booleans(), budget=st.integers(4, 64), max_num_seqs=st.integers(1, 8),
