@@ -12,7 +12,9 @@ there is one); the CUDA tests at the end skip without GPUs."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
+import signal
 
 import pytest
 import torch
@@ -167,6 +169,48 @@ def test_a_decode_engine_killed_mid_transfer():
         outs = cluster.generate(prompts, GREEDY)
         assert list(cluster.dead) == [1]
         _no_leak(cluster.settle())
+    assert not _our_processes()
+    assert [o.outputs[0].token_ids for o in outs] == _colocated(prompts, GREEDY)
+
+
+def test_a_prefill_engine_that_stops_answering_is_fenced_and_its_requests_rerouted():
+    """A prefill engine stopped (SIGSTOP: alive, silent) while it holds a prefilled request
+    and has more in its pipe: within its lease the proxy kills it, the decode engine's read
+    request waiting on it fails (its connection closed) and that request is recomputed, the
+    requests it never started go to the other prefill engine; every request ends with the
+    colocated engine's tokens, nothing is held, no process is left."""
+    prompts = _prompts(6, seed=5)
+    with DisaggCluster(2, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu",
+                       lease_s=4.0, timeout_s=60) as cluster:
+        first = cluster.submit(prompts[0], SEEDED, pause_after_prefill=True)
+        cluster.wait([first], prefilled=True)
+        stopped = cluster.routes[first].prefill
+        os.kill(cluster._procs[stopped].pid, signal.SIGSTOP)
+        cluster.resume(first)                      # its blocks are on the stopped engine
+        rest = [cluster.submit(p, SEEDED) for p in prompts[1:]]   # some of them too
+        outs = cluster.wait([first, *rest])
+        assert list(cluster.dead) == [stopped]
+        assert "stopped answering" in cluster.dead[stopped]
+        stats = cluster.settle()
+        _no_leak(stats)
+        assert stats[2]["num_failed_recvs"] >= 1            # the first one, recomputed
+        assert {cluster.routes[r].prefill for r in rest} == {1 - stopped}
+    assert not _our_processes()
+    assert [o.outputs[0].token_ids for o in outs] == _colocated(prompts, SEEDED)
+
+
+def test_one_failed_send_fails_one_transfer_and_the_pair_goes_on():
+    """Rank 0's second layer send fails once: that request is recomputed by the decode
+    engine, the next ones move their blocks over the same pair, no engine is lost."""
+    prompts = _prompts(5, seed=6)
+    with DisaggCluster(1, 1, cache_config=CACHE, attn_impl=IMPL, device="cpu",
+                       overrides={0: {"fail_layer_send": 2}}, timeout_s=60) as cluster:
+        outs = [cluster.generate([p], GREEDY)[0] for p in prompts]    # one after another
+        assert not cluster.dead
+        stats = cluster.settle()
+        _no_leak(stats)
+        assert stats[0]["num_failed_sends"] == stats[1]["num_failed_recvs"] == 1
+        assert stats[1]["num_recv_blocks"] == stats[0]["num_sent_blocks"] > 0
     assert not _our_processes()
     assert [o.outputs[0].token_ids for o in outs] == _colocated(prompts, GREEDY)
 

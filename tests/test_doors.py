@@ -153,6 +153,12 @@ OFFLOADING = CacheConfig(block_size=16, num_gpu_blocks=64, enable_prefix_caching
      r"exit_after_layers must be None or an int >= 1, got 0"),
     (lambda: DisaggCluster(overrides={0: {"exit_after_layers": "2"}}, device="cpu"),
      r"exit_after_layers must be None or an int >= 1, got '2'"),
+    (lambda: DisaggCluster(lease_s=0, device="cpu"),
+     r"lease_s must be a number of seconds > 0, got 0"),
+    (lambda: DisaggCluster(lease_s="30", device="cpu"),
+     r"lease_s must be a number of seconds > 0, got '30'"),
+    (lambda: DisaggCluster(overrides={1: {"fail_layer_send": 0}}, device="cpu"),
+     r"fail_layer_send must be None or an int >= 1, got 0"),
 ])
 def test_a_disagg_cluster_is_refused_before_a_process_starts(no_processes, make, match):
     with pytest.raises(ValueError, match=match):
@@ -214,6 +220,11 @@ def test_a_disagg_clusters_requests_are_checked_before_one_is_sent(no_processes,
      r"abort_timeout_s must be a number of seconds > 0, got nan"),
     (lambda: P2PTransport(0, exit_after_layers=0), r"exit_after_layers must be None or an int"),
     (lambda: P2PTransport(0, exit_after_layers="2"), r"exit_after_layers must be None or an"),
+    (lambda: P2PTransport(0, fail_layer_send=True), r"fail_layer_send must be None or an int"),
+    (lambda: P2PConnector("kv_consumer", P2PTransport(1), transfer_timeout_s=-1),
+     r"transfer_timeout_s must be a number of seconds > 0, got -1"),
+    (lambda: P2PConnector("kv_consumer", P2PTransport(1), transfer_timeout_s=float("inf")),
+     r"transfer_timeout_s must be a number of seconds > 0, got inf"),
 ])
 def test_the_issues_arguments_are_refused_naming_themselves(make, match):
     with pytest.raises(ValueError, match=match):

@@ -120,14 +120,18 @@ def close_pairs():
 PAIR = Group(0, 1)
 
 
-def make_pair(model, data_groups: bool = True) -> tuple[LLMEngine, LLMEngine]:
+def make_pair(model, data_groups: bool = True, transport_kw: dict | None = None,
+              connector_kw: dict | None = None) -> tuple[LLMEngine, LLMEngine]:
     """Two engines on one hub; their layer messages on ``PAIR`` (``data_groups=False``: on
-    the world group, as the connector does without ``data_groups``)."""
+    the world group, as the connector does without ``data_groups``). ``transport_kw`` and
+    ``connector_kw``: rank -> more arguments for that engine's transport or connector."""
     hub = Hub()
     engines = [LLMEngine(model, None, CACHE, attn_impl="torch", design="v1",
                          kv_connector=P2PConnector(ROLES[r], P2PTransport(
                              r, comm=Loopback(hub, r),
-                             data_groups={1 - r: PAIR} if data_groups else None)))
+                             data_groups={1 - r: PAIR} if data_groups else None,
+                             **(transport_kw or {}).get(r, {})),
+                             **(connector_kw or {}).get(r, {})))
                for r in (0, 1)]
     for r, e in enumerate(engines):     # what every rank says in the all-gather
         hub.objects[r] = (ROLES[r], KVLayout.of(e.runner.gpu_caches))
@@ -146,12 +150,13 @@ PARAMS = [SamplingParams(max_tokens=5, temperature=0.0),
 FAILED_STEPS: list[str] = []          # the steps recovered, by drive (tests read and clear it)
 
 
-def drive(model, *, max_loops: int = 4000, data_groups: bool = True
+def drive(model, *, max_loops: int = 4000, data_groups: bool = True, **pair_kw: dict
           ) -> tuple[dict[int, list[int] | str], list]:
     """The proxy and both processes' loops, interleaved in one thread: each request's prefill
     on engine 0, its decode on engine 1. Returns each request's tokens (or ``"error"``) and
-    the engines. A step that fails and is recovered (``StepFailed``) is simply taken again."""
-    prefill, decode = make_pair(model, data_groups)
+    the engines. A step that fails and is recovered (``StepFailed``) is simply taken again.
+    ``pair_kw``: :func:`make_pair`'s ``transport_kw`` and ``connector_kw``."""
+    prefill, decode = make_pair(model, data_groups, **pair_kw)
     done: dict[int, list[int] | str] = {}
     for rid, (prompt, p) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         prefill.add_request(prompt, replace(p, max_tokens=1), request_id=rid,
@@ -253,6 +258,52 @@ SITES = [(P2PConnector, name) for name in (
     "get_block_ids_with_load_errors", "_copy_in", "_finished_sending")] + [
     (KVCacheManager, "cache_blocks"), (SchedulerV1, "update_from_kv_xfer_finished"),
     (SchedulerV1, "_update_waiting_for_remote_kv")]
+
+
+def peers_alive(engines: list[LLMEngine]) -> bool:
+    return all(t.dead is None for e in engines for t in e.kv_connector.transport._peers.values())
+
+
+def test_one_failed_layer_send_fails_that_transfer_only(model):
+    """The prefill side's third layer message raises once: that request's load fails and it
+    is computed on the decode side, the pair stays up (nobody is marked dead, nobody waits for
+    a layer that never comes), and the next transfers move their blocks as usual."""
+    done, engines = drive(model, transport_kw={0: {"fail_layer_send": 3}})
+    assert done == colocated(model)
+    assert_clean(engines)
+    prefill, decode = (e.kv_connector for e in engines)
+    assert prefill.num_failed_sends == decode.num_failed_recvs == 1
+    assert peers_alive(engines)
+    assert decode.num_recv_blocks == prefill.num_sent_blocks > 0      # the others went through
+    assert prefill.transport.layer_messages == decode.transport.layer_messages
+
+
+def test_the_failed_send_detector_trips_on_a_pair_marked_dead(model):
+    """Proof that the check above can fail: a failure that takes the pair down (what every
+    failed send did before the trailer) shows as a dead peer."""
+    done, engines = drive(model, transport_kw={0: {"fail_layer_send": 3}})
+    engines[0].kv_connector.transport._peers[1].dead = "ConnectionError: gone"
+    assert not peers_alive(engines)
+
+
+def test_a_transfer_that_takes_too_long_fails_and_the_request_is_recomputed(model, monkeypatch):
+    """The prefill side stops answering for a while (its first answer 1 s late): the decode
+    side gives up on that load after its transfer_timeout_s, computes the request itself, and
+    the late layers are not copied; the pair then goes on (the later loads arrive)."""
+    send_work, slept = P2PTransport._send_work, []
+
+    def slow_first(self, t):
+        if not slept:
+            slept.append(t.request_id)
+            time.sleep(1.0)
+        send_work(self, t)
+    monkeypatch.setattr(P2PTransport, "_send_work", slow_first)
+    done, engines = drive(model, connector_kw={1: {"transfer_timeout_s": 0.2}})
+    assert done == colocated(model)
+    assert_clean(engines)
+    prefill, decode = (e.kv_connector for e in engines)
+    assert slept and decode.num_failed_recvs >= 1      # (and the loads queued behind it)
+    assert peers_alive(engines)
 
 
 def fault_once(monkeypatch, cls: type, name: str, k: int) -> list[int]:

@@ -48,7 +48,8 @@ What differs from NIXL, and why:
   (end of sequence as its first token) is finished: nothing follows, so its blocks are freed
   at once (vLLM delays on either status).
 
-Failures: a transfer whose peer died fails (the transport's error). A failed send frees the
+Failures: a transfer whose peer died fails (the transport's error), and so does one that
+takes longer than ``transfer_timeout_s`` (a peer that stopped answering). A failed send frees the
 prefill side's blocks; a failed load (or a prefill side that answers that the blocks are gone)
 reports the decode side's blocks in :meth:`P2PConnector.get_block_ids_with_load_errors`, and the
 V1 scheduler computes those tokens itself (vLLM's ``kv_load_failure_policy="recompute"``).
@@ -162,27 +163,34 @@ class P2PConnector(KVConnectorBase_V1):
     disaggregated deployment (module docstring). ``transport``: this engine's
     :class:`~course_lib.engine.p2p_transport.P2PTransport` (its rank in the world of all
     engines, the groups and backend its messages use). ``abort_timeout_s``: how long the
-    prefill side holds blocks no decode engine asks for, a finite number of seconds > 0 (any
-    real number, kept as a float). A request's ``kv_transfer_params`` are checked for the
-    role at the engine's door (:meth:`check_kv_transfer_params`)."""
+    prefill side holds blocks no decode engine asks for. ``transfer_timeout_s``: how long a
+    transfer may take once asked for; one that takes longer fails (decode side: its tokens are
+    computed here; prefill side: its blocks are freed, the layers it copied out go on being
+    sent), so that no request waits longer on a peer that stopped answering, whatever the
+    transport's own timeouts. Each a finite number of seconds > 0 (any real number, kept as a
+    float). A request's ``kv_transfer_params`` are checked for the role at the engine's door
+    (:meth:`check_kv_transfer_params`)."""
 
     def __init__(self, kv_role: str, transport: P2PTransport, *,
-                 abort_timeout_s: float = 120.0) -> None:
+                 abort_timeout_s: float = 120.0, transfer_timeout_s: float = 30.0) -> None:
         if kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {kv_role!r}")
         if not isinstance(transport, P2PTransport):
             raise ValueError(f"transport must be a P2PTransport, got {transport!r}")
-        try:                                 # any real number, by value, kept as a float
-            seconds = finite_float(abort_timeout_s, "abort_timeout_s")
-        except ValueError:
-            seconds = 0.0
-        if not seconds > 0:
-            raise ValueError(f"abort_timeout_s must be a number of seconds > 0, got "
-                             f"{abort_timeout_s!r:.60}")
+        seconds = {}
+        for name, value in (("abort_timeout_s", abort_timeout_s),
+                            ("transfer_timeout_s", transfer_timeout_s)):
+            try:                             # any real number, by value, kept as a float
+                seconds[name] = finite_float(value, name)
+            except ValueError:
+                seconds[name] = 0.0
+            if not seconds[name] > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r:.60}")
         super().__init__(KVConnectorRole.SCHEDULER)
         self.kv_role = kv_role
         self.transport = transport
-        self.abort_timeout_s = seconds
+        self.abort_timeout_s = seconds["abort_timeout_s"]
+        self.transfer_timeout_s = seconds["transfer_timeout_s"]
         self.block_size = 0
         self.layout: KVLayout | None = None
         self.peer_layouts: dict[int, KVLayout] = {}
@@ -415,12 +423,14 @@ class P2PConnector(KVConnectorBase_V1):
         if self.kv_role == "kv_producer":
             return self._finished_sending() or None, None
         done: set[int] = set()
+        now = time.monotonic()
         for seq_id, (spec, t) in list(self._recving.items()):
-            if not t.done:
+            late = now - t.started > self.transfer_timeout_s
+            if not t.done and not late:
                 continue
-            del self._recving[seq_id]
+            del self._recving[seq_id]       # a late one is let go: what arrives is not copied
             done.add(seq_id)
-            if t.error is not None or t.status != STATUS_OK:
+            if not t.done or t.error is not None or t.status != STATUS_OK:
                 self.num_failed_recvs += 1
                 self._load_errors.update(spec.block_ids)
                 self._event("load failed", seq_id)
@@ -438,14 +448,14 @@ class P2PConnector(KVConnectorBase_V1):
         """Prefill side: the held requests whose blocks are freed now (reported by
         ``get_finished``); a later read request for one is told they are gone
         (:meth:`serve_transfers`)."""
-        done = set()
+        done, now = set(), time.monotonic()
         for req_id, t in list(self._sending.items()):
-            if not t.done:
+            if not t.done and now - t.started <= self.transfer_timeout_s:
                 continue
-            del self._sending[req_id]
+            del self._sending[req_id]       # a late one is let go: it sends copies (_gather)
             del self._held[req_id]
             done.add(req_id)
-            if t.error is None:
+            if t.done and t.error is None:
                 self.num_sent_blocks += t.num_blocks
                 self._event("sent, blocks freed", req_id)
             else:
@@ -459,7 +469,6 @@ class P2PConnector(KVConnectorBase_V1):
                 self._event("released, blocks freed", req_id)
         self._released = [r for r in self._released if r in self._held or
                           r in self._reqs_to_send]      # (one being sent: once it is sent)
-        now = time.monotonic()
         for req_id, (_, since) in list(self._held.items()):
             if now - since > self.abort_timeout_s and req_id not in self._sending:
                 del self._held[req_id]

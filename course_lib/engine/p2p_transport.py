@@ -7,9 +7,10 @@ given, with two operations:
 * **decode side,** :meth:`P2PTransport.read`: send a *read request* to a prefill engine
   (``[request id, tag, first block, number of blocks]``, one ``int64`` tensor), receive its
   answer (``[status, number of layers]``), then that many layer messages into the buffers
-  given (per layer, K and V of the blocks: ``[2, n, block_size, kv_heads, head_dim]``);
+  given (per layer, K and V of the blocks: ``[2, n, block_size, kv_heads, head_dim]``), then
+  the trailer (``[1]``: the layers are good);
 * **prefill side,** :meth:`P2PTransport.read_requests` (the read requests that came in) and
-  :meth:`P2PTransport.answer`: send a status, then one message per layer.
+  :meth:`P2PTransport.answer`: send a status, then one message per layer, then the trailer.
 
 Each returns a :class:`Transfer` at once; a thread does the blocking calls, and the engine's
 thread only looks at ``Transfer.done`` later. vLLM 0.33.0's NIXL connector has a transport
@@ -67,14 +68,25 @@ it would show as the timeout above.
 
 **Failures.** A peer process that dies makes its pending messages fail (gloo: "connection
 closed by peer"; NCCL: the pair group's timeout): the transfer under way gets its ``error``,
-and the peer is marked dead, so every later transfer to it fails at once. What a failure means
-for the blocks is the connector's to say.
+and the peer is marked dead, so every later transfer to it fails at once. A layer the prefill
+side fails to send while the pair itself still works (a send that raises once) fails that
+transfer only: the peer waits for every layer it was told of, so the prefill side sends it
+zeros in place of the failed layer and the ones after, then the transfer's last message, its
+*trailer*, says whether the layers are good (``[1]``) or not (``[0]``); the decode side
+throws a bad transfer away, and the next transfer on the pair goes through as usual. (A send
+that fails again while filling in means the pair is broken: the peer is marked dead.) What a
+failure means for the blocks is the connector's to say. How long anyone waits for a peer that
+stops answering without dying is bounded above this module: the connector gives up on a
+transfer after its ``transfer_timeout_s``, and :mod:`course_lib.parallel.disagg`'s proxy kills
+an engine that stopped answering (its lease), which closes its connections and fails every
+message still waiting on it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -116,6 +128,7 @@ class Transfer:
     status: int = 0
     done: bool = False
     error: str | None = None
+    started: float = field(default_factory=time.monotonic)    # when it was asked for
 
 
 class _PeerThread:
@@ -163,10 +176,14 @@ class P2PTransport:
     ``recv``); None: the world group. ``data_backend``: ``"gloo"`` (layers staged through CPU
     memory) or ``"nccl"`` (layers stay on the cache's GPU). ``exit_after_layers``: fault
     injection for the tests and chapter 13: the process exits (``os._exit``) once a transfer
-    has sent or received that many layers: a process killed mid-transfer."""
+    has sent or received that many layers: a process killed mid-transfer.
+    ``fail_layer_send``: fault injection too: the ``n``-th layer message this engine sends
+    (counted from 1 over all its transfers) raises once, before anything is posted: one failed
+    send on a pair that works (module docstring, *Failures*)."""
 
     def __init__(self, rank: int, *, comm: Any = dist, data_groups: dict[int, Any] | None = None,
-                 data_backend: str = "gloo", exit_after_layers: int | None = None) -> None:
+                 data_backend: str = "gloo", exit_after_layers: int | None = None,
+                 fail_layer_send: int | None = None) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
         if data_backend not in DATA_BACKENDS:
@@ -177,11 +194,18 @@ class P2PTransport:
                                               or exit_after_layers < 1):
             raise ValueError(f"exit_after_layers must be None or an int >= 1, got "
                              f"{exit_after_layers!r}")
+        if fail_layer_send is not None and (isinstance(fail_layer_send, bool) or not
+                                            isinstance(fail_layer_send, int)
+                                            or fail_layer_send < 1):
+            raise ValueError(f"fail_layer_send must be None or an int >= 1, got "
+                             f"{fail_layer_send!r}")
         self.rank = rank
         self.comm = comm
         self.data_groups = data_groups
         self.data_backend = data_backend
         self.exit_after_layers = exit_after_layers
+        self.fail_layer_send = fail_layer_send
+        self._layers_sent = 0                        # layer messages posted, for the fault
         #: layer messages sent or received, per group: "pair <p>-<d>" or "world"
         self.layer_messages: dict[str, int] = {}
         self._peers: dict[int, _PeerThread] = {}
@@ -237,7 +261,7 @@ class P2PTransport:
         from ``first_block``, to be received into ``buffers`` (one per layer; none when
         ``num_blocks`` is 0). Returns at once; the peer's thread does it."""
         t = Transfer(peer, self._next_tag, request_id, first_block, num_blocks, buffers)
-        self._next_tag += 1 + len(buffers)           # the answer's tag, then one per layer
+        self._next_tag += 2 + len(buffers)   # the answer's tag, one per layer, the trailer's
         thread = self._peers.get(peer)
         if thread is None:
             t.error, t.done = f"rank {peer} is not a peer of rank {self.rank}", True
@@ -274,21 +298,40 @@ class P2PTransport:
                 self._inbox.append(ReadRequest(peer, *msg.tolist()))
 
     def _send_work(self, t: Transfer) -> None:
-        """Prefill side, on the peer's thread: the status (world group), then one message per
-        layer (the pair's group), then the GPU's work waited for."""
+        """Prefill side, on the peer's thread: the status (world group), one message per layer
+        (the pair's group), the trailer (world group), then the GPU's work waited for. A layer
+        whose send raises is replaced, with the ones after it, by zeros, and the trailer says
+        so: that transfer fails (``t.error``), the pair goes on (module docstring)."""
         group, name = self._data_group(t.peer)
         self.comm.send(torch.tensor([t.status, len(t.buffers)], dtype=torch.int64),
                        t.peer, tag=t.tag)
         for layer, buf in enumerate(t.buffers):
-            self.comm.send(buf, t.peer, tag=t.tag + 1 + layer, group=group)
+            if t.error is None:
+                try:
+                    self._send_layer(buf, t.peer, t.tag + 1 + layer, group)
+                except Exception as exc:
+                    t.error = f"layer {layer} not sent: {type(exc).__name__}: {exc}"
+            if t.error is not None:           # the peer waits for this layer: fill it in
+                self.comm.send(torch.zeros_like(buf), t.peer, tag=t.tag + 1 + layer,
+                               group=group)
             self._count_layer(name)
             self._maybe_exit(layer + 1)
+        if t.buffers:
+            self.comm.send(torch.tensor([int(t.error is None)], dtype=torch.int64), t.peer,
+                           tag=t.tag + 1 + len(t.buffers))
         self._wait_for_device(t.buffers)
+
+    def _send_layer(self, buf: torch.Tensor, peer: int, tag: int, group: Any) -> None:
+        self._layers_sent += 1
+        if self._layers_sent == self.fail_layer_send:     # fault injection: fails once
+            raise RuntimeError(f"injected failure of layer message {self._layers_sent}")
+        self.comm.send(buf, peer, tag=tag, group=group)
 
     def _read_work(self, t: Transfer) -> None:
         """Decode side, on the peer's thread: the read request and the answer's status (world
-        group), the layers (the pair's group), then the GPU's work waited for: only then is
-        the transfer done (``_PeerThread`` sets ``done`` when this returns)."""
+        group), the layers (the pair's group), the trailer (world group), then the GPU's work
+        waited for: only then is the transfer done (``_PeerThread`` sets ``done`` when this
+        returns). A trailer that says the layers are bad fails this transfer alone."""
         group, name = self._data_group(t.peer)
         self.comm.send(torch.tensor([t.request_id, t.tag, t.first_block, t.num_blocks],
                                     dtype=torch.int64), t.peer, tag=CTRL_TAG)
@@ -302,6 +345,11 @@ class P2PTransport:
             self.comm.recv(buf, src=t.peer, tag=t.tag + 1 + layer, group=group)
             self._count_layer(name)
             self._maybe_exit(layer + 1)
+        if num_layers:
+            good = torch.zeros(1, dtype=torch.int64)
+            self.comm.recv(good, src=t.peer, tag=t.tag + 1 + num_layers)
+            if not good.item():
+                t.error = f"rank {t.peer} failed to send the layers"
         self._wait_for_device(t.buffers)
 
     def _data_group(self, peer: int) -> tuple[Any, str]:

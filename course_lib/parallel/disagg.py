@@ -47,6 +47,21 @@ was serving is sent again, from its prompt, to a live engine of the same role (a
 asked for blocks its prefill engine no longer holds computes them itself: the request is
 recomputed), or fails alone (``finish_reason="error"``) when no engine of that role is left.
 The survivors free what they held for it (:mod:`course_lib.engine.p2p_connector`).
+
+An engine that stops answering without dying (a stopped process, a stuck loop, a partition)
+is treated the same way within a bounded time, its **lease** (``lease_s``, 30 s by default,
+the default of vLLM 0.33.0's ``kv_lease_duration`` in ``vllm/distributed/kv_transfer/
+kv_connector/v1/nixl/base_scheduler.py``, which bounds how long a prefill engine holds blocks
+for a decode engine that stopped asking): every engine's loop tells the proxy it is alive
+every ``lease_s / 6`` seconds (NIXL's heartbeat interval is ``kv_lease_duration // 6`` too);
+one the proxy has not heard from for ``lease_s`` is **fenced**: the proxy kills its process
+group and treats it as dead. Killing it, rather than only routing around it, is what bounds
+every other wait: its connections close, so a peer blocked on one of its messages (on the
+world group, whose message timeout is long because a prefill engine's listener waits for
+read requests for as long as the cluster lives) fails at once, and it can never come back
+with blocks or answers nobody expects. Inside the engines no transfer waits longer than
+``lease_s`` either (the connector's ``transfer_timeout_s``), and a layer that fails to send
+fails that transfer only (:mod:`course_lib.engine.p2p_transport`, *Failures*).
 """
 
 from __future__ import annotations
@@ -75,6 +90,9 @@ MESSAGE_TIMEOUT_S = 24 * 3600.0
 #: peer just sent on the world group, so a live peer is already sending: a short timeout is
 #: safe, and it is what turns a dead NCCL peer (NCCL waits, it does not notice) into an error.
 PAIR_TIMEOUT_S = 60.0
+#: how long the proxy waits without a word from an engine before it fences it (module
+#: docstring); vLLM 0.33.0's kv_lease_duration default
+LEASE_S = 30.0
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -109,9 +127,11 @@ class EngineSpec:
     """What one engine process runs: its role and rank, its configs, its model dtype, its
     device (``"cpu"`` or ``"cuda"``: rank ``r`` then runs on ``cuda:(r % device_count)``), the
     backend of its K/V pair groups (the same for every engine: :func:`data_backend_for`) and
-    how long one of their messages may wait in this process (``pair_timeout_s``), and an
-    optional fault (``exit_after_layers``: it exits once its first transfer moved that many
-    layers, :class:`~course_lib.engine.p2p_transport.P2PTransport`)."""
+    how long one of their messages may wait in this process (``pair_timeout_s``), its lease
+    (``lease_s``: it says it is alive every sixth of it; a transfer may take that long), and
+    optional faults (``exit_after_layers``: it exits once its first transfer moved that many
+    layers; ``fail_layer_send``: its n-th layer send fails once,
+    :class:`~course_lib.engine.p2p_transport.P2PTransport`)."""
 
     rank: int
     kv_role: str
@@ -124,6 +144,8 @@ class EngineSpec:
     device: str = "cpu"
     data_backend: str = "gloo"
     pair_timeout_s: float = PAIR_TIMEOUT_S
+    fail_layer_send: int | None = None
+    lease_s: float = LEASE_S
 
 
 @dataclass
@@ -188,8 +210,10 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
         groups = _pair_groups(spec.rank, roles, spec.data_backend, spec.pair_timeout_s)
         model = load_tiny_model(device=device, dtype=getattr(torch, spec.dtype))
         transport = P2PTransport(spec.rank, data_groups=groups, data_backend=spec.data_backend,
-                                 exit_after_layers=spec.exit_after_layers)
-        connector = P2PConnector(spec.kv_role, transport, abort_timeout_s=spec.abort_timeout_s)
+                                 exit_after_layers=spec.exit_after_layers,
+                                 fail_layer_send=spec.fail_layer_send)
+        connector = P2PConnector(spec.kv_role, transport, abort_timeout_s=spec.abort_timeout_s,
+                                 transfer_timeout_s=spec.lease_s)
         engine = LLMEngine(model, spec.scheduler_config, spec.cache_config,
                            attn_impl=spec.attn_impl, design="v1", kv_connector=connector)
         connector.connect(roles)
@@ -198,7 +222,11 @@ def _engine_main(spec: EngineSpec, world_size: int, roles: dict[int, str], port:
         conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         os._exit(1)
     seq_of: dict[int, int] = {}          # seq id -> request id, for the events
+    said_alive = 0.0
     while True:
+        if time.monotonic() - said_alive > spec.lease_s / 6:    # the lease (module docstring)
+            said_alive = time.monotonic()
+            conn.send(("alive", said_alive))
         while conn.poll():
             msg = conn.recv()
             if msg[0] == "add":
@@ -274,7 +302,7 @@ def _stats(engine: Any, connector: Any) -> dict[str, Any]:
 #: the fields of :class:`EngineSpec` an override may change (rank, role and data backend are
 #: the cluster's to set: a rank given another role or rank would not find its peers)
 OVERRIDABLE = ("block_size", "dtype", "attn_impl", "device", "scheduler_config",
-               "exit_after_layers", "abort_timeout_s", "pair_timeout_s")
+               "exit_after_layers", "fail_layer_send", "abort_timeout_s", "pair_timeout_s")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
@@ -300,7 +328,7 @@ def _check_engine_fields(rank: int | None, fields: Any) -> dict[str, Any]:
             raise bad(name, value, f"one of {DTYPES}")
         if name == "attn_impl" and value not in ATTN_BACKENDS:
             raise bad(name, value, f"one of {ATTN_BACKENDS}")
-        if name == "exit_after_layers" and value is not None:
+        if name in ("exit_after_layers", "fail_layer_send") and value is not None:
             if not is_int(value) or value < 1:
                 raise bad(name, value, "None or an int >= 1")
             out[name] = int(value)
@@ -330,7 +358,9 @@ class DisaggCluster:
     ``overrides``: rank -> fields of :class:`EngineSpec` to change for that engine (a
     ``block_size`` there changes its ``cache_config``): to build mismatched engines, or a
     fault (``exit_after_layers``). Prefill engines are ranks ``0 .. num_prefill - 1``.
-    ``timeout_s``: how long starting, and each :meth:`generate`, may take. ``device``:
+    ``timeout_s``: how long starting, and each :meth:`generate`, may take. ``lease_s``: how
+    long an engine may stay silent before the proxy fences it (module docstring, *Faults*);
+    it also bounds each transfer and each K/V layer message. ``device``:
     ``"cpu"``, ``"cuda"`` or ``"auto"`` (module docstring, *Devices and the data path*);
     :attr:`data_backend` and :meth:`data_path` say what the K/V travels on. Every argument
     is checked (``ValueError`` naming it) before any process starts: an engine process takes
@@ -343,7 +373,8 @@ class DisaggCluster:
                  cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, attn_impl: str = "auto",
                  overrides: dict[int, dict[str, Any]] | None = None,
-                 timeout_s: float = 120.0, device: str = "auto") -> None:
+                 timeout_s: float = 120.0, lease_s: float = LEASE_S,
+                 device: str = "auto") -> None:
         for name, n in (("num_prefill", num_prefill), ("num_decode", num_decode)):
             if not is_int(n) or not 1 <= n <= 4:
                 raise ValueError(f"{name} must be an int in 1..4 (processes on this machine), "
@@ -353,6 +384,9 @@ class DisaggCluster:
         if seconds is None:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r:.60}")
         timeout_s = seconds
+        lease = _seconds(lease_s)
+        if lease is None:
+            raise ValueError(f"lease_s must be a number of seconds > 0, got {lease_s!r:.60}")
         if cache_config is not None and not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be None or a CacheConfig, got "
                              f"{type(cache_config).__name__} {cache_config!r:.60}")
@@ -382,7 +416,8 @@ class DisaggCluster:
         self.specs = []
         for rank in range(world):
             spec = EngineSpec(rank, ROLES[rank >= num_prefill], cache_config,
-                              scheduler_config, attn_impl=attn_impl, device=device)
+                              scheduler_config, attn_impl=attn_impl, device=device,
+                              pair_timeout_s=min(PAIR_TIMEOUT_S, lease), lease_s=lease)
             fields = dict(overrides.get(rank, {}))
             if "block_size" in fields:
                 spec.cache_config = replace(cache_config, block_size=fields.pop("block_size"))
@@ -394,6 +429,7 @@ class DisaggCluster:
         self.specs = [replace(s, data_backend=self.data_backend) for s in self.specs]
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.timeout_s = timeout_s
+        self.lease_s = lease
         self.roles = {s.rank: s.kv_role for s in self.specs}
         self.prefill_ranks = list(range(num_prefill))
         self.decode_ranks = list(range(num_prefill, world))
@@ -404,6 +440,8 @@ class DisaggCluster:
         self._rr = {"kv_producer": 0, "kv_consumer": 0}
         self._procs: list[Any] = []
         self._conns: list[Any] = []
+        self._heard: dict[int, float] = {}        # rank -> when it last said it was alive
+        self._stats: dict[int, dict[str, Any]] = {}
         self._t0 = time.monotonic()
         self._start()
 
@@ -440,6 +478,9 @@ class DisaggCluster:
                         continue
                     if msg[0] == "ready":
                         ready.add(rank)
+                        self._heard[rank] = time.monotonic()
+                    elif msg[0] == "alive":           # a ready one, while others start
+                        self._heard[rank] = msg[1]
                     else:
                         errors.append(f"rank {rank}: {msg[1]}")
                 if errors:
@@ -621,23 +662,38 @@ class DisaggCluster:
         return self.wait(ids)
 
     def _pump(self, timeout: float) -> None:
+        """Take in what the engines said (waiting up to ``timeout`` for the first word), every
+        message of each, then deal with the engines that died or stopped answering."""
         live = [c for r, c in enumerate(self._conns) if r not in self.dead]
         for c in wait(live, timeout=timeout):
             rank = self._conns.index(c)
             try:
-                msg = c.recv()
+                while rank not in self.dead and c.poll():
+                    self._handle(rank, c.recv())
             except (EOFError, OSError):
                 self._engine_died(rank)
-                continue
-            self._handle(rank, msg)
         for rank in [r for r, p in enumerate(self._procs)
                      if r not in self.dead and not p.is_alive()]:
             self._engine_died(rank)
+        now = time.monotonic()
+        for rank in [r for r in self._heard if r not in self.dead]:
+            if now - self._heard[rank] > self.lease_s and not self._conns[rank].poll():
+                self._fence(rank)
+
+    def _fence(self, rank: int) -> None:
+        """An engine silent for longer than its lease: killed, then dealt with as dead."""
+        _kill_group(self._procs[rank])
+        self._engine_died(rank, f"stopped answering for longer than its lease "
+                                f"({self.lease_s:g} s) and was killed")
 
     def _handle(self, rank: int, msg: tuple) -> None:
         results = self._results
         kind = msg[0]
-        if kind == "events":
+        if kind == "alive":
+            self._heard[rank] = max(self._heard.get(rank, 0.0), msg[1])
+        elif kind == "stats":
+            self._stats[rank] = msg[1]
+        elif kind == "events":
             for t, what, rid in msg[1]:
                 if rid in self.routes:
                     self._hop(self.routes[rid], self._where(rank), what, t)
@@ -664,10 +720,11 @@ class DisaggCluster:
         if not self._send_decode(route):
             self._results[route.request_id] = self._failed(route, "no decode engine is alive")
 
-    def _engine_died(self, rank: int) -> None:
+    def _engine_died(self, rank: int, how: str | None = None) -> None:
         proc, results = self._procs[rank], self._results
         proc.join(timeout=1)
-        self.dead[rank] = f"{self._where(rank)} (rank {rank}) died, exit code {proc.exitcode}"
+        how = how or f"died, exit code {proc.exitcode}"
+        self.dead[rank] = f"{self._where(rank)} (rank {rank}) {how}"
         for route in self.routes.values():
             if route.request_id in results:
                 continue
@@ -699,20 +756,16 @@ class DisaggCluster:
         ``layer_messages``: layer messages moved per group, ``"pair <p>-<d>"``), its pool
         (blocks, free), what its connector holds and moved. Each engine checks its invariants
         first (an error there is raised here)."""
-        out = {}
+        self._stats = {}
         for rank in self.alive():
             self._conns[rank].send(("stats",))
-        for rank in self.alive():
-            deadline = time.monotonic() + self.timeout_s
-            while rank not in out:
-                if not self._conns[rank].poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"{self._where(rank)} did not answer")
-                msg = self._conns[rank].recv()
-                if msg[0] == "stats":
-                    out[rank] = msg[1]
-                else:
-                    self._handle(rank, msg)
-        return out
+        deadline = time.monotonic() + self.timeout_s
+        while not set(self.alive()) <= set(self._stats):
+            if time.monotonic() > deadline:
+                late = sorted(set(self.alive()) - set(self._stats))
+                raise TimeoutError(f"{[self._where(r) for r in late]} did not answer")
+            self._pump(0.05)
+        return {r: self._stats[r] for r in self.alive()}
 
     def settle(self, timeout_s: float = 10.0) -> dict[int, dict[str, Any]]:
         """Wait until no live engine holds blocks for a transfer or has work; their stats."""
