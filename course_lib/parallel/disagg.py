@@ -82,8 +82,12 @@ from .launch import _die_with_parent, _kill_group, free_port
 
 ROLES = ("kv_producer", "kv_consumer")
 #: how long one gloo message may wait for its peer. The prefill engines' threads wait for read
-#: requests for as long as the cluster lives (a learner may pause for an hour), so this is long;
-#: a peer that dies is noticed at once anyway (its connection closes), and the proxy bounds
+#: requests for as long as the cluster lives (a learner may pause for an hour), so this is long:
+#: it cannot double as a bound on a silent peer, because gloo closes a pair whose receive times
+#: out (torch 2.13's gloo says "Application timeout caused pair closure", and every later
+#: message on that pair fails), so an idle listener would lose its peer. A peer that dies is
+#: noticed at once anyway (its connection closes), one that stops answering is fenced after its
+#: lease (module docstring, *Faults*), which closes its connections, and the proxy bounds
 #: starting and each generate() by its own timeout_s.
 MESSAGE_TIMEOUT_S = 24 * 3600.0
 #: how long one K/V layer message on a pair group may wait. The layers follow a status the
