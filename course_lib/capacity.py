@@ -286,7 +286,14 @@ def plan_kv_cache(spec: ModelSpec, total_gpu_memory_gib: float, *,
     """Size one GPU's block pool. weight_gib defaults to the weights split evenly over TP.
 
     Memory arguments are GiB per GPU (swap_space too, as in vLLM); the result holds bytes.
+    Every layer is counted as full attention, so a hybrid model (``spec.is_hybrid``) is refused:
+    its blocks and concurrency are :func:`course_lib.sizing.hybrid.hybrid_capacity`'s (the
+    functions above, which size one block or one token, give a hybrid's all-full baseline).
     """
+    if spec.is_hybrid:
+        raise ValueError(f"{spec.name} is a hybrid model (layer types "
+                         f"{sorted(set(spec.layer_types))}): plan_kv_cache counts every layer as "
+                         f"full attention; size it with course_lib.sizing.hybrid.hybrid_capacity")
     check_int("context_parallel_size", context_parallel_size, 1)
     blk = block_bytes(spec, block_size, tensor_parallel_size)  # validates block_size and TP
     for name, value in (("total_gpu_memory_gib", total_gpu_memory_gib),
