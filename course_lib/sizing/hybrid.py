@@ -209,18 +209,24 @@ def kv_cache_groups(spec: ModelSpec, block_size: int = 16) -> HybridGrouping:
     buckets: dict[str, list[int]] = {}
     for index, layer_type in enumerate(types):
         buckets.setdefault(layer_type, []).append(index)
-    counts = [len(layers) for layers in buckets.values()]
-    group_size = min(counts)
-    if 2 * max(counts) < 3 * min(counts):       # max < 1.5 x min: pad up to the largest
-        group_size = max(counts)
+    size = group_size([len(layers) for layers in buckets.values()])
     groups = []
     for layer_type, layers in buckets.items():
         real = spec.linear_state_bytes if layer_type == LINEAR_ATTENTION else page
-        num_groups = cdiv(len(layers), group_size)
+        num_groups = cdiv(len(layers), size)
         groups.extend(HybridGroup(layer_type, window_of(spec, layer_type),
                                   tuple(layers[i::num_groups]), tokens_per_block, page, real)
                       for i in range(num_groups))
-    return HybridGrouping(spec, block_size, tokens_per_block, group_size, tuple(groups))
+    return HybridGrouping(spec, block_size, tokens_per_block, size, tuple(groups))
+
+
+def group_size(num_layers_per_kind: list[int]) -> int:
+    """Layers per KV-cache group: the fewest layers of any kind (the "1" of an n:1 pattern),
+    or the most when no kind has 1.5 times the fewest, padding the others up to it (vLLM
+    0.33.0's ``_get_kv_cache_groups_uniform_page_size`` in vllm/v1/core/kv_cache_planning.py;
+    :mod:`course_lib.memory.v1.kv_cache_groups` builds the manager's groups with it)."""
+    fewest, most = min(num_layers_per_kind), max(num_layers_per_kind)
+    return most if 2 * most < 3 * fewest else fewest
 
 
 def blocks_held(group: HybridGroup, num_tokens: int) -> int:

@@ -19,6 +19,11 @@ from vllm_twins import CourseManager, RealManager
 
 from course_lib.memory.radix.radix_cache import RadixCache
 from course_lib.memory.v1 import block_pool as course_pool
+from course_lib.memory.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from course_lib.memory.v1.kv_cache_manager import KVCacheManager
 
 
@@ -29,20 +34,27 @@ def real_pool(vllm, num_blocks: int):
 
 # ------------------------------------------------------------------------------- vLLM V1
 def test_vllm_reserves_block_0_the_course_does_not(vllm):
-    """vLLM's pool pops block 0 as its null block (a placeholder for sliding-window and Mamba
-    tables, which the course leaves out): its block ``i + 1`` is the course's ``i``, its pool
-    of N + 1 blocks the course's of N. The harness maps the ids and compares all else."""
+    """vLLM's pool always pops block 0 as its null block (the placeholder in sliding-window,
+    chunked-local and Mamba tables); the course's pool pops it only when some group needs one
+    (``BlockPool(use_null_block=True)``, which its coordinator asks for a windowed group), so
+    that a full-attention model keeps chapter 12's ids: vLLM's block ``i + 1`` is the
+    course's ``i``, its pool of N + 1 blocks the course's of N. The harness maps the ids and
+    compares all else; for a hybrid model both reserve block 0 and the ids are the same."""
     course, real = course_pool.BlockPool(3), real_pool(vllm, 3)
     assert real.null_block.block_id == 0 and real.null_block.is_null
     assert [b.block_id for b in course.get_new_blocks(3)] == [0, 1, 2]
     assert [b.block_id for b in real.get_new_blocks(3)] == [1, 2, 3]
     assert course.get_num_free_blocks() == real.get_num_free_blocks() == 0
+    with_null = course_pool.BlockPool(4, use_null_block=True)
+    assert with_null.null_block.block_id == 0 and with_null.null_block.is_null
+    assert [b.block_id for b in with_null.get_new_blocks(3)] == [1, 2, 3]
 
 
 def test_the_watermark_counts_vllms_null_block(vllm):
     """vLLM holds back ``int(watermark * num_blocks)`` with its null block counted, the course
     ``int(watermark * num_gpu_blocks)`` of the blocks it has: at 7 usable blocks and 0.25,
-    vLLM holds back 2 blocks, the course 1."""
+    vLLM holds back 2 blocks, the course 1. (With a windowed group the course's pool has its
+    null block too, and the two agree: the hybrid lockstep draws watermarks.)"""
     course = KVCacheManager(4, 7, watermark=0.25)
     real = RealManager([[1]], vllm, 4, 7, watermark=0.25)
     assert course.watermark_blocks == 1 and real.m.watermark_blocks == 2
@@ -183,6 +195,39 @@ def test_no_sorted_release_list(sglang_allocators):
     course.alloc(6)
     course.free([4, 5, 0, 1])                                  # course blocks 2, 0
     assert course.alloc(6) == [4, 5, 0, 1, 6, 7]               # in the order freed, first
+
+
+def test_group_0_is_cached_under_the_bare_hash(vllm):
+    """vLLM keys every cached block by its hash and 4 big-endian bytes of its group id
+    (``make_block_hash_with_group_id``), group 0 included; the course appends them for every
+    group but 0, so that a one-group model's keys stay the hashes chapters 06 and 12 show.
+    The hybrid harness compares (hash, group) pairs."""
+    block_hash = course_pool.sha256("a block")
+    real = vllm.kv_cache_utils.make_block_hash_with_group_id
+    assert real(block_hash, 0) == block_hash + bytes(4)
+    assert course_pool.block_hash_with_group_id(block_hash, 0) == block_hash
+    assert course_pool.block_hash_with_group_id(block_hash, 1) == real(block_hash, 1)
+
+
+def test_groups_of_different_block_sizes(vllm):
+    """vLLM runs groups whose block sizes differ (pages unified by block size): hashes at
+    ``hash_block_size``, viewed at each group's size (``BlockHashListWithBlockSize``), hits
+    aligned to the least common multiple (``scheduler_block_size``). The course's groups
+    share one block size: its manager refuses others at the door, and
+    ``kv_cache_groups.unify_kv_cache_spec_page_size`` is for sizing."""
+    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(2)),
+              KVCacheGroupSpec(("swa",), SlidingWindowSpec(4, sliding_window=8))]
+    with pytest.raises(ValueError, match="block sizes \\[2, 4\\]"):
+        KVCacheManager(2, 16, kv_cache_groups=groups)
+    iface = vllm.kv_cache_interface
+    config = iface.KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        iface.KVCacheGroupSpec(["full"], iface.FullAttentionSpec(
+            block_size=2, num_kv_heads=1, head_size=1, dtype="float32")),
+        iface.KVCacheGroupSpec(["swa"], iface.SlidingWindowSpec(
+            block_size=4, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=8))])
+    real = vllm.kv_cache_manager.KVCacheManager(config, max_model_len=1 << 10,
+                                                scheduler_block_size=4, hash_block_size=2)
+    assert real.coordinator.scheduler_block_size == 4
 
 
 def test_every_declared_difference_is_listed_in_the_design_notes():

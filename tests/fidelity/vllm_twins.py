@@ -15,8 +15,9 @@
   block's reference count and hash, the hash map, every request's block table, the
   prefix-cache counters and the usage.
 
-Ids: vLLM's pool has one block more, block 0, its null block (never free, never in a table);
-vLLM's block ``i + 1`` is the course's block ``i``.
+Ids: vLLM's pool has one block more, block 0, its null block (never free, never in a table;
+the course's pool has one only for a windowed group: hybrid_twins.py); vLLM's block ``i + 1``
+is the course's block ``i``.
 """
 
 from __future__ import annotations

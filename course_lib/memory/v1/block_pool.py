@@ -1,7 +1,7 @@
 """vLLM V1's block pool: one free-block queue that is also the LRU of cached blocks.
 
 The V1 design of vLLM (``vllm/v1/core/kv_cache_utils.py`` and ``block_pool.py`` in vLLM 0.33.0),
-for one full-attention KV-cache group, in the course's words:
+in the course's words:
 
 * :class:`KVCacheBlock`: a block's metadata: id, reference count, the hash it is cached under
   (None until it is full and cached), and its two links in the free queue.
@@ -14,7 +14,16 @@ for one full-attention KV-cache group, in the course's words:
 * :class:`BlockPool`: the blocks, the queue, and ``cached_block_hash_to_block``, the map from a
   block hash to the cached blocks with it. Equal blocks are *not* merged: a block that fills
   with content already cached stays where it is (block tables only ever append), so one hash
-  may map to several blocks.
+  may map to several blocks. A hybrid model's KV-cache groups share the pool: a block is
+  cached under its hash *and its group* (:func:`block_hash_with_group_id`), so that a
+  full-attention block and a sliding-window block of the same tokens are two entries.
+* **The null block** (``use_null_block``): block 0, taken out of the queue for good, stands in
+  a sliding-window table for blocks that left the window (vLLM's ``null_block``,
+  ``is_null``). It is never freed, never cached, never touched, and its ref count is not
+  kept: ``touch`` and ``free_blocks`` skip it. vLLM's pool always has one; the course's only
+  when some group needs it (a sliding-window or chunked-local group), so that a model of
+  full-attention layers keeps the block ids and free counts chapters 06 and 12 showed
+  (block ``i`` there is vLLM's ``i + 1``: tests/fidelity declares it).
 * :func:`hash_block_tokens`: ``hash_fn((parent_hash, tokens, extra_keys))``, chained from
   ``NONE_HASH``; ``hash_fn`` is one of vLLM's four (``vllm/utils/hashing.py``): ``sha256``
   (the default: SHA-256 of the pickled tuple), ``sha256_cbor`` (of its canonical CBOR, the same
@@ -27,8 +36,8 @@ for one full-attention KV-cache group, in the course's words:
   other block ``None`` (an empty salt is no salt). V1 trusts the hash: a hit is not checked
   token by token.
 
-Left out, and said so: the null block (block 0, a placeholder for sliding-window and Mamba
-layers), hybrid models' several KV-cache groups, KV events, the metrics collector.
+Left out, and said so: KV events, the metrics collector, partial (sub-block) hash entries,
+pinned blocks (``unpin_blocks``), blocks of another pool, ``evict_blocks``.
 """
 
 from __future__ import annotations
@@ -121,6 +130,15 @@ def block_hash_extra_keys(start_token_idx: int, cache_salt: Hashable = None) -> 
     return (("cache_salt", cache_salt),) if start_token_idx == 0 and cache_salt else None
 
 
+def block_hash_with_group_id(block_hash: bytes, kv_cache_group_id: int) -> bytes:
+    """The key a block is cached under in its group (vLLM's ``make_block_hash_with_group_id``
+    appends the group id as 4 big-endian bytes). The course appends nothing for group 0, so
+    that a model of one group keeps the bare hashes chapters 06 and 12 showed; vLLM 0.33.0
+    appends four zero bytes there too (a declared difference: tests/fidelity)."""
+    return block_hash + kv_cache_group_id.to_bytes(4, "big") if kv_cache_group_id \
+        else block_hash
+
+
 def hash_block_tokens(parent_block_hash: bytes | None, block_token_ids: Sequence[int],
                       extra_keys: Hashable = None, hash_fn: HashFn = sha256,
                       none_hash: bytes | None = None) -> bytes:
@@ -138,11 +156,14 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: bytes | None = None          # set once full and cached
+    block_hash: bytes | None = None          # set once full and cached (with its group id)
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
+    is_null: bool = False                    # the pool's null block (never freed nor cached)
 
     def __repr__(self) -> str:
+        if self.is_null:
+            return f"KVCacheBlock({self.block_id}, null)"
         cached = "" if self.block_hash is None else f", hash={self.block_hash[:3].hex()}"
         return f"KVCacheBlock({self.block_id}, ref_cnt={self.ref_cnt}{cached})"
 
@@ -262,36 +283,53 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """The V1 block pool (see the module docstring)."""
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True,
+                 use_null_block: bool = False) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # block 0 as the placeholder of blocks that left a window (module docstring)
+        self.null_block: KVCacheBlock | None = None
+        if use_null_block:
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.is_null = True
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
-    def get_usage(self) -> float:
-        """Held blocks / all blocks (``vllm:kv_cache_usage_perc``)."""
-        return 1.0 - self.get_num_free_blocks() / self.num_gpu_blocks
+    @property
+    def num_usable_blocks(self) -> int:
+        """The blocks a request can hold: all but the null block."""
+        return self.num_gpu_blocks - (self.null_block is not None)
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        """Any cached block with this hash (the first), or None."""
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    def get_usage(self) -> float:
+        """Held blocks / usable blocks (``vllm:kv_cache_usage_perc``; the null block is
+        neither)."""
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+    def get_cached_block(self, block_hash: bytes,
+                         kv_cache_group_id: int = 0) -> KVCacheBlock | None:
+        """Any cached block of the group with this hash (the first), or None. (vLLM's takes a
+        list of groups of one spec and answers one block each; the course asks per group.)"""
+        key = block_hash_with_group_id(block_hash, kv_cache_group_id)
+        blocks = self.cached_block_hash_to_block.get(key)
         return next(iter(blocks.values())) if blocks else None
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[bytes],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+                          num_cached_blocks: int, num_full_blocks: int,
+                          kv_cache_group_id: int = 0) -> None:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` in the hash map under their
-        hashes (blocks already cached under a hash are left as they are)."""
+        hashes and group (blocks already cached are left as they are; null blocks, in a
+        sliding-window table, are skipped)."""
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.is_null:
                 continue                      # a hit: cached already, by whoever filled it
-            block.block_hash = block_hashes[i]
-            self.cached_block_hash_to_block.setdefault(block_hashes[i], {})[block.block_id] = \
-                block
+            key = block_hash_with_group_id(block_hashes[i], kv_cache_group_id)
+            block.block_hash = key
+            self.cached_block_hash_to_block.setdefault(key, {})[block.block_id] = block
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
@@ -314,8 +352,11 @@ class BlockPool:
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """One more reference to each block; a free (evictable) one leaves the queue."""
+        """One more reference to each block; a free (evictable) one leaves the queue. The null
+        block is skipped (its ref count is not kept)."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -323,9 +364,12 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference to each block, in eviction order (first = evicted first).
         Blocks reaching 0 that are not cached go to the front of the queue (reused first),
-        cached ones to the back (the most recently used end of the LRU)."""
+        cached ones to the back (the most recently used end of the LRU). The null block is
+        skipped (never pooled)."""
         first, last = [], []
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 (last if self.enable_caching and block.block_hash is not None
@@ -335,7 +379,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only while no block is held (returns whether it did)."""
-        if self.get_num_free_blocks() != self.num_gpu_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
@@ -343,12 +387,19 @@ class BlockPool:
         return True
 
     def check_invariants(self) -> None:
-        """The queue holds exactly the ref-0 blocks, linked both ways; the hash map holds
-        exactly the blocks with a hash, each under its own."""
+        """The queue holds exactly the ref-0 blocks but the null block, linked both ways; the
+        hash map holds exactly the blocks with a hash, each under its own; the null block is
+        the pool's only one, unheld, uncached."""
         queue = self.free_block_queue.get_all_free_blocks()
         assert len(queue) == self.free_block_queue.num_free_blocks, "queue count is off"
         assert {b.block_id for b in queue} == {b.block_id for b in self.blocks
-                                               if b.ref_cnt == 0}, "queue != ref-0 blocks"
+                                               if b.ref_cnt == 0 and not b.is_null}, \
+            "queue != ref-0 blocks"
+        null = self.null_block
+        assert [b for b in self.blocks if b.is_null] == ([] if null is None else [null]), \
+            "null blocks != the pool's null block"
+        assert null is None or (null.ref_cnt == 0 and null.block_hash is None
+                                and null.prev_free_block is None), "the null block was used"
         assert len({b.block_id for b in queue}) == len(queue), "a block is queued twice"
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
         back, head = [] if not queue else [queue[-1]], self.free_block_queue.fake_free_list_head
