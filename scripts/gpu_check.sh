@@ -66,7 +66,7 @@ fi
 
 step kernel_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
     tests/test_kernels_reference.py tests/test_cache_ops.py tests/test_kernels_ch04.py \
-    tests/test_aot_hopper.py tests/test_attn_backends.py
+    tests/test_aot_hopper.py tests/test_attn_backends.py tests/test_kernels_window.py
 # the Triton exercises (0.x, 4.x) compiled: solutions pass, wrong kernels and torch answers fail
 step triton_exercises 240 python3 -m pytest -q -p no:cacheprovider tests/test_exercises.py \
     tests/test_exercises_ch00.py tests/test_exercises_ch04.py -k "0. or 4. or ch00 or ch04"

@@ -32,6 +32,7 @@ so that ``python -m course_lib.kernels.aot`` can put Triton in JIT mode first.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 import torch
@@ -138,6 +139,21 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             raise ValueError(f"{name} must be >= the batch's longest ({true}), got {bound}")
 
 
+def check_sliding_window(sliding_window: object) -> int | None:
+    """``sliding_window`` as a Python int >= 1, or ``None`` (full attention); ``ValueError``
+    naming anything else. The doors of the attention kernels (:func:`paged_attention`, the
+    backends' entries, the launch planners) call it before anything runs: a window of 0 would
+    reach the kernels as "no window" (their constant for full attention) and silently attend
+    to everything. A numpy integer is taken by its value."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+            or sliding_window < 1:
+        raise ValueError(f"sliding_window must be None (full attention) or an integer >= 1 "
+                         f"(keys per query, itself included), got {sliding_window!r}")
+    return int(sliding_window)
+
+
 def interpreter_incompatibility() -> str | None:
     """Why Triton's interpreter cannot run the attention kernels here, or None (also None when
     kernels are compiled, not interpreted). Known case: Triton < 3.7 turns a loop bound into a
@@ -178,7 +194,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor | None = None, scale: float | None = None,
                     *, impl: str = "auto", max_query_len: int | None = None,
-                    max_seq_len: int | None = None, validate: bool = True) -> torch.Tensor:
+                    max_seq_len: int | None = None, validate: bool = True,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Attention of the packed new tokens over each sequence's paged K/V (see ``reference``).
 
     query ``[num_tokens, num_heads, head_dim]``; caches ``[num_blocks, block_size,
@@ -187,8 +204,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``None`` for decode (one query per sequence). ``scale`` defaults to ``head_dim ** -0.5``.
     ``impl``: ``"auto"`` (:func:`choose_impl`), ``"triton"`` or ``"reference"``. Pass
     ``max_query_len`` / ``max_seq_len`` and ``validate=False`` to avoid host syncs on a GPU.
+    ``sliding_window``: ``None`` (full attention) or ``W >= 1``: the query at position ``p``
+    sees the keys at ``p - W < j <= p`` (vLLM's meaning: ``SlidingWindowSpec.sliding_window``
+    in ``vllm/v1/kv_cache_interface.py``, passed to FlashAttention as ``window_size=(W - 1,
+    0)`` in ``vllm/v1/attention/backends/flash_attn.py``, 0.33.0); blocks wholly before a
+    query's window are never read (a hybrid model's table points them at the null block).
     Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
     """
+    sliding_window = check_sliding_window(sliding_window)
     check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                  values=validate, max_query_len=max_query_len, max_seq_len=max_seq_len)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
@@ -207,7 +230,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         from course_lib.kernels.reference import paged_attention_ref
 
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
-                                   query_start_loc, scale)
+                                   query_start_loc, scale, sliding_window=sliding_window)
     if impl != TRITON:
         raise ValueError(f"impl must be 'auto', 'triton' or 'reference', got {impl!r}")
     from course_lib.device import BACKEND
@@ -223,11 +246,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         from course_lib.kernels.paged_decode import paged_decode
 
         return paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                            max_seq_len)
+                            max_seq_len, sliding_window=sliding_window)
     from course_lib.kernels.paged_prefill import paged_prefill
 
     if query_start_loc is None:
         query_start_loc = torch.arange(block_tables.shape[0] + 1, dtype=torch.int32,
                                        device=query.device)
     return paged_prefill(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                         scale, max_query_len, max_seq_len)
+                         scale, max_query_len, max_seq_len, sliding_window=sliding_window)

@@ -8,7 +8,8 @@ TTGIR -> LLVM -> PTX -> ``ptxas``, shipped inside the Triton wheel) without a GP
 **Faithful.** Each variant is a real launch: the wrappers' own planners
 (``decode_launches``, ``prefill_launches``, ``reshape_and_cache_launch``, ``copy_blocks_launch``)
 plan it for tensors of a realistic shape on the ``meta`` device (shapes and strides, no memory),
-with the tiles :mod:`~course_lib.kernels.tiles` picks for an H100/H200 (132 SMs). Its arguments
+with the tiles :mod:`~course_lib.kernels.tiles` picks for an H100/H200 (132 SMs), and a
+sliding-window layer's launches (a window of 128 tokens, as gpt-oss's). Its arguments
 then go through Triton's own binder, the function the JIT calls at launch, which decides every
 specialisation (an integer divisible by 16, a stride equal to 1, a 16-byte aligned pointer as a
 caching allocator returns) and the compile-time constants. So the kernel compiled here is the
@@ -126,6 +127,7 @@ def _launches() -> list[tuple[str, object, bool, bool]]:
                 _, launches = prefill_launches(q, kc, kc, bt, sl, qsl, head_dim ** -0.5, max_q,
                                                ctx, tiles)
                 out.append((f"prefill {shape}", launches[0], half, False))
+        out += _window_launches(dtype, t)
         for kv_heads, head_dim in ((2, 32), (8, 128)):
             k = torch.empty(512, kv_heads, head_dim, dtype=dtype, **meta)
             kc = torch.empty(1024, 16, kv_heads, head_dim, dtype=dtype, **meta)
@@ -135,6 +137,55 @@ def _launches() -> list[tuple[str, object, bool, bool]]:
             pairs = torch.empty(8, 2, dtype=torch.int64, **meta)
             out.append((f"copy_blocks {t} {kv_heads}x{head_dim}",
                         copy_blocks_launch(kc, kc, pairs), False, False))
+    return out
+
+
+def _window_launches(dtype, t: str) -> list[tuple[str, object, bool, bool]]:
+    """A sliding-window layer (gpt-oss's window, 128 tokens) on the grid's Llama-3-8B shape
+    (head_dim 128, 32 query / 8 KV heads), so that each windowed kernel sits beside its
+    full-attention twin in the table: ``SLIDING_WINDOW`` is a compile-time constant (as in
+    vLLM 0.33.0's unified Triton kernel), a window is a kernel of its own. Decode plans its
+    splits for the window's span (:func:`~course_lib.kernels.paged_decode.positions_read`)."""
+    import torch
+
+    from course_lib.kernels.paged_decode import decode_launches, positions_read
+    from course_lib.kernels.paged_prefill import prefill_launches
+    from course_lib.kernels.tiles import decode_tiles, prefill_tiles
+
+    meta = dict(device="meta")
+    head_dim, kv_heads, group, block_size, window = 128, 8, 4, 16, 128
+    half = dtype.itemsize == 2
+    shape = f"{t} d={head_dim} group={group} block={block_size} window={window}"
+    out = []
+    for num_seqs, ctx in ((1, 4096), (64, 4096)):
+        q = torch.empty(num_seqs, kv_heads * group, head_dim, dtype=dtype, **meta)
+        kc = torch.empty(num_seqs * ctx // block_size + 1, block_size, kv_heads, head_dim,
+                         dtype=dtype, **meta)
+        bt = torch.empty(num_seqs, ctx // block_size, dtype=torch.int32, **meta)
+        sl = torch.empty(num_seqs, dtype=torch.int32, **meta)
+        tiles = decode_tiles(head_dim=head_dim, group=group,
+                             max_seq_len=positions_read(ctx, block_size, window),
+                             num_seqs=num_seqs, num_kv_heads=kv_heads, interpreted=False,
+                             num_sms=HOPPER_SMS)
+        _, launches = decode_launches(q, kc, kc, bt, sl, head_dim ** -0.5, ctx, tiles,
+                                      sliding_window=window)
+        where = f"{num_seqs}x{ctx} splits={tiles.num_splits}"
+        out.append((f"decode {shape} {where}", launches[0], half, True))
+        for extra in launches[1:]:
+            out.append((f"lse reduce {t} d={head_dim} {where} window={window}", extra, False,
+                        False))
+    max_q, ctx = 2048, 4096
+    q = torch.empty(max_q * 2, kv_heads * group, head_dim, dtype=dtype, **meta)
+    kc = torch.empty(2 * ctx // block_size + 1, block_size, kv_heads, head_dim, dtype=dtype,
+                     **meta)
+    bt = torch.empty(2, ctx // block_size, dtype=torch.int32, **meta)
+    sl = torch.empty(2, dtype=torch.int32, **meta)
+    qsl = torch.empty(3, dtype=torch.int32, **meta)
+    tiles = prefill_tiles(head_dim=head_dim, group=group, max_query_len=max_q, max_seq_len=ctx,
+                          interpreted=False, dtype_bytes=dtype.itemsize)
+    _, launches = prefill_launches(q, kc, kc, bt, sl, qsl, head_dim ** -0.5, max_q, ctx, tiles,
+                                   sliding_window=window)
+    out.append((f"prefill {shape}", launches[0], half, False))
     return out
 
 

@@ -6,10 +6,15 @@ need, all from one implementation:
 * ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, validate=True)``:
   write the new tokens' K/V into the paged cache;
 * ``paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-  scale, *, max_query_len=None, max_seq_len=None, validate=True)``: attend through the block
-  tables. The model's layers pass the batch's maxima as host integers and ``validate=False``
-  (:func:`~course_lib.model.attention.make_attention_metadata` checked the batch once), so a
-  forward pass on a GPU never waits for a value read back from the device;
+  scale, *, max_query_len=None, max_seq_len=None, validate=True, sliding_window=None)``:
+  attend through the block tables. The model's layers pass the batch's maxima as host
+  integers and ``validate=False`` (:func:`~course_lib.model.attention.make_attention_metadata`
+  checked the batch once), so a forward pass on a GPU never waits for a value read back from
+  the device. ``sliding_window`` (``None`` or ``W >= 1``, a host integer checked by every
+  backend: :func:`~course_lib.kernels.check_sliding_window`) restricts the query at position
+  ``p`` to the keys ``p - W < j <= p``; garbage before a window (the null block of a hybrid
+  model) never reaches the output: the kernels and the reference never load it, the batched
+  torch path gathers whole blocks and zeroes it first;
 * ``copy_blocks(key_cache, value_cache, block_mapping)``: the copy-on-write copies.
 
 The model, the model runner and the static baseline receive a backend and call it; none of

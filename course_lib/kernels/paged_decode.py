@@ -26,6 +26,17 @@ as 16-byte asynchronous copies; the split count is sized from the GPU's SM count
 Every stride is a kernel argument (no layout is assumed), page numbers are cast to int64 before
 they multiply a stride (a 2^31-byte cache is small), and the K/V loads themselves are masked, so
 slots past ``seq_len`` and blocks the table does not reach are never read: they may hold NaN.
+
+Sliding window (``SLIDING_WINDOW = W``, a compile-time constant, 0 for full attention, as in
+vLLM 0.33.0's ``vllm/v1/attention/ops/triton_unified_attention.py``): the query at position
+``seq_len - 1`` sees the ``W`` keys from ``first_key = seq_len - W`` on. The splits share the
+range that starts at the tile holding ``first_key`` (aligned to the smaller of a tile and a
+block, so it starts inside ``first_key``'s block), so a block wholly before the window is never
+loaded: in a hybrid model its table slot holds the null block (block 0, whose contents are
+garbage; ``SlidingWindowManager.remove_skipped_blocks`` in
+``vllm/v1/core/single_type_kv_cache_manager.py`` put it there). The slots of that first tile
+before ``first_key`` are masked out of the loads and their scores are ``-inf``. The planner
+sizes the splits for that range (at most ``W + BLOCK_SIZE - 1`` tokens), not for the context.
 """
 
 from __future__ import annotations
@@ -59,12 +70,21 @@ if BACKEND.uses_triton:
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         TILE_N: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
         SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SLIDING_WINDOW: tl.constexpr,         # W >= 1, or 0: full attention
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
         start = split * tokens_per_split
+        if SLIDING_WINDOW > 0:                # the query (at seq_len - 1) sees W keys:
+            first_key = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+            # the splits cut the range from the tile that holds first_key, aligned to the
+            # smaller of a tile and a block (both powers of two): it starts in first_key's
+            # block, so no block wholly before the window (the null block in a hybrid model)
+            # is ever loaded, and every tile holds a key (its running max stays finite)
+            ALIGN: tl.constexpr = TILE_N if TILE_N < BLOCK_SIZE else BLOCK_SIZE
+            start += first_key // ALIGN * ALIGN
         end = tl.minimum(start + tokens_per_split, seq_len)
 
         g = tl.arange(0, GROUP_PAD)           # query head within the group
@@ -86,6 +106,8 @@ if BACKEND.uses_triton:
         for tile_start in range(start, end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)               # token positions [TILE_N]
             valid = pos < end
+            if SLIDING_WINDOW > 0:                                # not the slots before it
+                valid = valid & (pos >= first_key)
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, page, pos, valid, d, kv_head,
                                 stride_kb, stride_ks, stride_kh, stride_kd,
                                 stride_vb, stride_vs, stride_vh, stride_vd,
@@ -144,19 +166,31 @@ if BACKEND.uses_triton:
 LOG2_E = 1.4426950408889634
 
 
+def positions_read(max_seq_len: int, block_size: int, sliding_window: int | None) -> int:
+    """How many positions of a sequence the decode programs walk together: its context, or
+    with a window ``W`` the range from the start of the block holding the first key in the
+    window (``W + block_size - 1`` at most). The splits are sized for it."""
+    if sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, sliding_window + block_size - 1)
+
+
 def decode_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_seq_len: int, tiles: DecodeTiles | None = None,
-                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Launch]]:
+                    out: torch.Tensor | None = None, *,
+                    sliding_window: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
     """Plan the decode launches (see ``paged_decode``): returns the output tensor they fill and
     the launches, the split kernel then, with more than one split, the reduce kernel."""
+    assert sliding_window is None or sliding_window >= 1, sliding_window
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     group = num_heads // num_kv_heads
     if tiles is None:
         num_sms = (torch.cuda.get_device_properties(query.device).multi_processor_count
                    if query.is_cuda else 1)
-        tiles = decode_tiles(head_dim=head_dim, group=group, max_seq_len=max_seq_len,
+        tiles = decode_tiles(head_dim=head_dim, group=group,
+                             max_seq_len=positions_read(max_seq_len, block_size, sliding_window),
                              num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                              interpreted=BACKEND.interpreted or not query.is_cuda,
                              num_sms=num_sms)
@@ -179,8 +213,8 @@ def decode_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         *out_strides, *lse_strides, group, tiles.tokens_per_split), dict(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, TILE_N=tiles.tile_n, HEAD_PAD=tiles.head_pad,
         GROUP_PAD=tiles.group_pad, SPLIT=split, UPCAST=tiles.upcast,
-        DOT_PRECISION=dot_precision(query.dtype), num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages))]
+        DOT_PRECISION=dot_precision(query.dtype), SLIDING_WINDOW=sliding_window or 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages))]
     if split:
         launches.append(Launch(_lse_reduce_kernel, (num_seqs, num_heads), (
             out, part, lse, *out.stride(), *part.stride()[:3], *lse.stride()[:2],
@@ -192,16 +226,20 @@ def decode_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  max_seq_len: int, tiles: DecodeTiles | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, *,
+                 sliding_window: int | None = None) -> torch.Tensor:
     """Decode attention with the Triton kernels; no validation (see ``kernels.paged_attention``).
 
     ``query [num_seqs, num_heads, head_dim]`` (one token per sequence). ``max_seq_len`` is a
     host-side upper bound of ``seq_lens`` (passed in to avoid a device sync). Returns
     ``[num_seqs, num_heads, head_dim]`` in ``query.dtype``. One launch when the context is not
     split (``tiles.num_splits == 1``), else the split kernel and the reduce kernel.
+    ``sliding_window``: ``None`` (full attention) or ``W >= 1``: the query sees its last ``W``
+    keys, itself included. ``tiles`` given by the caller must cover :func:`positions_read`.
     """
     out, launches = decode_launches(query, key_cache, value_cache, block_tables, seq_lens,
-                                    scale, max_seq_len, tiles, out)
+                                    scale, max_seq_len, tiles, out,
+                                    sliding_window=sliding_window)
     for launch in launches:
         launch.run()
     return out

@@ -7,6 +7,16 @@ the cache covers both the cached context (``context_len = seq_len - query_len`` 
 earlier steps or a prefix-cache hit) and the new tokens, with the causal rule
 ``key position <= context_len + query index``.
 
+Sliding window (``SLIDING_WINDOW = W``, a compile-time constant, 0 for full attention, as in
+vLLM 0.33.0's ``vllm/v1/attention/ops/triton_unified_attention.py``): the query at position
+``p`` sees only the keys ``p - W < j <= p``. A program's loop starts at the tile that holds the
+first key in the window of its earliest query, cut inside that key's block (vLLM prunes its
+tiles the same way, ``compute_tile_loop_bounds`` in ``ops/triton_attention_helpers.py``), so a
+block wholly before every window of the tile is never loaded: in a hybrid model its table slot
+holds the null block (block 0, garbage). Slots of that first tile before the window are masked
+out of the loads; keys inside the tile's windows but outside one row's window get ``-inf`` for
+that row.
+
 Grid ``(cdiv(max_query_len, BLOCK_Q), num_seqs, num_kv_heads)``. A program owns ``BLOCK_Q``
 query tokens of one sequence times the ``GROUP_PAD`` query heads that share one KV head: row
 ``r`` of its ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows is token ``r // GROUP_PAD``, head
@@ -43,6 +53,7 @@ if BACKEND.uses_triton:
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
         HEAD_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SLIDING_WINDOW: tl.constexpr,         # W >= 1, or 0: full attention
     ):
         q_tile = tl.program_id(0)
         seq = tl.program_id(1)
@@ -71,14 +82,25 @@ if BACKEND.uses_triton:
         # Keys up to the last query of this tile; none when the tile is past the sequence.
         last_q = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
         kv_end = tl.where(q_tile * BLOCK_Q < q_len, context_len + last_q, 0)
+        # With a window: keys from the first one in the window of the tile's earliest query.
+        # The loop starts at the tile that holds it, aligned to the smaller of a tile and a
+        # block (both powers of two), so inside its block: no block wholly before it (the
+        # null block in a hybrid model) is loaded.
+        loop_start = 0
+        if SLIDING_WINDOW > 0:
+            first_key = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+            ALIGN: tl.constexpr = TILE_N if TILE_N < BLOCK_SIZE else BLOCK_SIZE
+            loop_start = first_key // ALIGN * ALIGN
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bts
-        for tile_start in range(0, kv_end, TILE_N):
+        for tile_start in range(loop_start, kv_end, TILE_N):
             pos = tile_start + tl.arange(0, TILE_N)
             valid = pos < kv_end
+            if SLIDING_WINDOW > 0:                                    # not the slots before it
+                valid = valid & (pos >= first_key)
             page = load_pages(table, pos, valid, stride_btb, BLOCK_SIZE)
             k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, page, pos, valid, d, kv_head,
                                 stride_kb, stride_ks, stride_kh, stride_kd,
@@ -86,6 +108,8 @@ if BACKEND.uses_triton:
                                 BLOCK_SIZE, HEAD_DIM, UPCAST)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             see = valid[None, :] & (pos[None, :] <= q_pos[:, None])   # causal [BLOCK_M, TILE_N]
+            if SLIDING_WINDOW > 0:                                    # and p - W < j
+                see = see & (pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
             s = tl.where(see, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # row that saw nothing yet
@@ -108,8 +132,10 @@ def prefill_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                      max_seq_len: int, tiles: PrefillTiles | None = None,
-                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Launch]]:
+                     out: torch.Tensor | None = None, *,
+                     sliding_window: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
     """Plan the prefill launch (see ``paged_prefill``): the output it fills and the launch."""
+    assert sliding_window is None or sliding_window >= 1, sliding_window
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -131,22 +157,25 @@ def prefill_launches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=tiles.block_m,
         GROUP_PAD=tiles.group_pad, TILE_N=tiles.tile_n, HEAD_PAD=tiles.head_pad,
         UPCAST=tiles.upcast, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages))]
+        SLIDING_WINDOW=sliding_window or 0, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages))]
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                   max_seq_len: int, tiles: PrefillTiles | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *,
+                  sliding_window: int | None = None) -> torch.Tensor:
     """Prefill / chunked-prefill / mixed-batch attention with the Triton kernel; no validation.
 
     ``max_query_len`` and ``max_seq_len`` are host-side bounds (no device sync). Returns
-    ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+    ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``. ``sliding_window``: ``None``
+    (full attention) or ``W >= 1``: the query at position ``p`` sees keys ``p - W < j <= p``.
     """
     out, launches = prefill_launches(query, key_cache, value_cache, block_tables, seq_lens,
                                      query_start_loc, scale, max_query_len, max_seq_len, tiles,
-                                     out)
+                                     out, sliding_window=sliding_window)
     for launch in launches:
         launch.run()
     return out

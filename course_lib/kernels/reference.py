@@ -12,6 +12,13 @@ already sit in the cache (``reshape_and_cache`` wrote them). So ``context_len = 
 query_len`` tokens were cached earlier, and new token ``i`` (position ``context_len + i``) attends
 to positions ``0 .. context_len + i`` (causal). Decode is the case ``query_len == 1``.
 
+Sliding window (vLLM's meaning, ``SlidingWindowSpec`` in ``vllm/v1/kv_cache_interface.py``,
+0.33.0): with ``sliding_window = W`` the query at position ``p`` attends to the ``W`` keys
+``p - W < j <= p`` only (itself included). In a hybrid model the table slots of blocks wholly
+before the window of a step's first query hold the null block (block 0, garbage): vLLM's
+``SlidingWindowManager.remove_skipped_blocks`` freed them. So the spec never reads them either:
+it gathers the keys from the first one in that window on.
+
 These functions loop over sequences in Python and compute in float32: slow, obvious, correct.
 """
 
@@ -39,34 +46,40 @@ def slot_mapping(block_table: list[int], positions: list[int], block_size: int) 
 
 
 def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` keys and values of one sequence, made contiguous.
+              seq_len: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of positions ``start .. seq_len - 1`` of one sequence, contiguous.
 
-    ``block_table``: that sequence's row ``[max_blocks]``. Returns two ``[seq_len, num_kv_heads,
-    head_dim]`` tensors. Only the blocks that hold tokens are read (the rest may be garbage).
+    ``block_table``: that sequence's row ``[max_blocks]``. Returns two ``[seq_len - start,
+    num_kv_heads, head_dim]`` tensors. Only the blocks that hold those tokens are read (the rest
+    may be garbage: past the sequence, or before ``start``'s block in a sliding-window layer).
     """
     block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
     capacity = block_table.shape[0] * block_size
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 <= seq_len <= capacity:
         raise ValueError(f"seq_len must be an integer in 0..{capacity} (block table of "
                          f"{block_table.shape[0]} blocks x {block_size}), got {seq_len!r}")
-    used = block_table[:-(-seq_len // block_size)]
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= seq_len:
+        raise ValueError(f"start must be an integer in 0..{seq_len} (seq_len), got {start!r}")
+    used = block_table[start // block_size:-(-seq_len // block_size)]
     if used.numel() and not (0 <= int(used.min()) and int(used.max()) < num_blocks):
         raise ValueError(f"block table entries must be in 0..{num_blocks - 1}, got "
                          f"{used.tolist()}")
-    positions = torch.arange(seq_len, device=key_cache.device)
-    blocks = block_table.to(key_cache.device).long()[positions // block_size]  # [seq_len]
+    positions = torch.arange(start, seq_len, device=key_cache.device)
+    blocks = block_table.to(key_cache.device).long()[positions // block_size]  # [seq_len - start]
     offsets = positions % block_size
     return key_cache[blocks, offsets], value_cache[blocks, offsets]
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    context_len: int = 0) -> torch.Tensor:
+                    context_len: int = 0, *, sliding_window: int | None = None,
+                    first_key: int = 0) -> torch.Tensor:
     """Attention of ``q [q_len, num_heads, d]`` over ``k, v [kv_len, num_kv_heads, d]``.
 
-    Query ``i`` sits at position ``context_len + i`` and sees keys ``0 .. context_len + i``.
-    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). Float32 inside,
-    result in ``q.dtype``: ``[q_len, num_heads, d]``.
+    Query ``i`` sits at position ``p = context_len + i``; ``k, v`` hold the keys of positions
+    ``first_key .. first_key + kv_len - 1``. The query sees the keys ``j <= p`` (causal), and
+    with a ``sliding_window`` ``W`` only those with ``p - W < j`` (every query must see at least
+    one of the keys given). Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``
+    (GQA). Float32 inside, result in ``q.dtype``: ``[q_len, num_heads, d]``.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -75,8 +88,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = (qf @ kf.transpose(1, 2)) * scale                        # [H, q_len, kv_len]
     q_pos = context_len + torch.arange(q.shape[0], device=q.device)[:, None]
-    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    k_pos = first_key + torch.arange(k.shape[0], device=q.device)[None, :]
+    hidden = k_pos > q_pos                                            # [q_len, kv_len]
+    if sliding_window is not None:
+        hidden |= k_pos <= q_pos - sliding_window                     # before the window
+    scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf                          # [H, q_len, d]
     return out.transpose(0, 1).to(q.dtype)
 
@@ -84,9 +100,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor | None = None,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, *,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Paged attention, the spec: gather each sequence's K/V through its block table, then
     :func:`dense_attention`. ``query_start_loc=None`` means decode (one query per sequence).
+    ``sliding_window``: ``None`` (full attention) or ``W >= 1`` (see the module docstring): the
+    keys are gathered from the first one in the window of the sequence's first new token.
     Returns ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``."""
     num_seqs = block_tables.shape[0]
     if query_start_loc is None:
@@ -98,8 +117,12 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     out = torch.empty_like(query)
     for s in range(num_seqs):
         q = query[starts[s]:starts[s + 1]]
-        k, v = gather_kv(key_cache, value_cache, block_tables[s], lens[s])
-        out[starts[s]:starts[s + 1]] = dense_attention(q, k, v, scale, lens[s] - q.shape[0])
+        context_len = lens[s] - q.shape[0]
+        first_key = 0 if sliding_window is None else max(0, context_len - sliding_window + 1)
+        k, v = gather_kv(key_cache, value_cache, block_tables[s], lens[s], first_key)
+        out[starts[s]:starts[s + 1]] = dense_attention(q, k, v, scale, context_len,
+                                                       sliding_window=sliding_window,
+                                                       first_key=first_key)
     return out
 
 
