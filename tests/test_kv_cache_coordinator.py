@@ -390,3 +390,23 @@ class HybridMachine(RuleBasedStateMachine):
 TestHybridStateful = HybridMachine.TestCase
 TestHybridStateful.settings = settings(max_examples=examples(60), stateful_step_count=40,
                                        deadline=None)
+
+
+def test_usage_counts_every_group_and_not_the_null_block():
+    """usage() over a full and a windowed group: the null block is no block to hold, the
+    windowed table's null entries are not held entries; held blocks = what the pool lent."""
+    groups = [KVCacheGroupSpec(("full",), FullAttentionSpec(2)),
+              KVCacheGroupSpec(("swa",), SlidingWindowSpec(2, sliding_window=4))]
+    kvm = KVCacheManager(2, 32, enable_caching=False, kv_cache_groups=groups)
+    tokens = list(range(1, 12))                        # 11 tokens
+    assert kvm.allocate_slots(0, tokens, 0, 11) is not None
+    tokens.append(12)
+    assert kvm.allocate_slots(0, tokens, 11, 1) is not None     # the window has moved on
+    full, swa = kvm.get_block_tables(0)
+    nulls = swa.count(kvm.block_pool.null_block.block_id)
+    assert len(full) == len(swa) == 6 and nulls > 0
+    u = kvm.usage()
+    assert u.num_total_blocks == 31                            # block 0 is the null block
+    assert u.num_table_entries == len(full) + len(swa) - nulls
+    assert u.num_held_blocks == 31 - kvm.num_free_gpu_blocks == u.num_table_entries
+    kvm.check_invariants()

@@ -71,8 +71,14 @@ class V1ManagerBase:
         if device == "cpu":
             return BlockUsage("cpu", bs, 0, 0, 0, 0, 0)
         free, cached_free = self._free_counts()
-        held = self.num_gpu_blocks - free
+        usable, entries, empty = self._table_counts()
+        held = usable - free
+        return BlockUsage("gpu", bs, usable, free, cached_free, entries, held * bs - empty)
+
+    def _table_counts(self) -> tuple[int, int, int]:
+        """(blocks a sequence can hold, block-table entries, empty slots in them): one table
+        per sequence here; a manager with more (several KV-cache groups) counts them all."""
+        bs = self.block_size
         empty = sum(len(blocks) * bs - self.num_slots[s]
                     for s, blocks in self.req_to_blocks.items())
-        return BlockUsage("gpu", bs, self.num_gpu_blocks, free, cached_free,
-                          sum(len(b) for b in self.req_to_blocks.values()), held * bs - empty)
+        return self.num_gpu_blocks, sum(len(b) for b in self.req_to_blocks.values()), empty

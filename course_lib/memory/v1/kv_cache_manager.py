@@ -46,6 +46,7 @@ What V1 does differently from the V0 pair (:class:`~course_lib.memory.v0.manager
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 
 from ...sizing.units import cdiv
@@ -260,6 +261,18 @@ class KVCacheManager(V1ManagerBase):
         return self.coordinator.reset_prefix_cache()
 
     # ------------------------------------------------------------- usage and checks
+    def _table_counts(self) -> tuple[int, int, int]:
+        """(blocks a sequence can hold, table entries, empty slots in them) over every group:
+        the null block is not a block to hold, and a table's leading null entries (tokens that
+        left a window) are neither entries nor slots."""
+        bs, entries, empty = self.block_size, 0, 0
+        for manager in self.coordinator.single_type_managers:
+            for seq_id, blocks in manager.req_to_blocks.items():
+                nulls = bisect_left(blocks, True, key=lambda b: not b.is_null)   # a prefix
+                entries += len(blocks) - nulls
+                empty += len(blocks) * bs - self.num_slots[seq_id]
+        return self.block_pool.num_usable_blocks, entries, empty
+
     def _free_counts(self) -> tuple[int, int]:
         free = self.block_pool.free_block_queue.get_all_free_blocks()
         return len(free), sum(1 for b in free if b.block_hash is not None)
