@@ -338,3 +338,27 @@ def test_a_nested_deadline_gives_back_what_is_left_of_the_outer_one():
                 while True:
                     time.sleep(0.01)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_cpu_deadline_counts_computing_not_waiting_and_keeps_the_outer_one():
+    """A learner's case runs under a deadline of its own CPU time (a loaded machine does not
+    count against it); a block that only waits is still stopped, by WALL_FACTOR x its limit
+    or by an enclosing deadline, whichever comes first."""
+    import time
+
+    from course_lib.exercises import CaseTimeout, deadline
+
+    t0 = time.monotonic()
+    with deadline(0.05, cpu=True):
+        time.sleep(0.2)                                  # 4 x its limit, but no CPU used
+    with pytest.raises(CaseTimeout) as spun:
+        with deadline(0.05, cpu=True):
+            while True:
+                pass
+    assert not spun.value.waited
+    with pytest.raises(CaseTimeout) as waited:
+        with deadline(0.2):
+            with deadline(30.0, cpu=True):               # the outer one still fires on time
+                while True:
+                    time.sleep(0.01)
+    assert waited.value.waited and time.monotonic() - t0 < 5

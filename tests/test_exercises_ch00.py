@@ -20,10 +20,40 @@ def test_the_floor_grid_is_told_to_use_the_ceiling():
 
 
 @needs_triton
-def test_a_store_past_the_end_is_seen_in_the_sentinel():
+def test_a_store_past_the_end_is_a_verdict():
+    """The interpreter's store check names the store before it writes (on a GPU, where no spy
+    runs, the sentinel after the output sees it instead)."""
     unmasked = ch00.EXERCISES["0.1"].rule("mask the store").wrong
     verdict = ch00.check_leaky_relu(unmasked)
-    assert "overwritten" in verdict.first_problem and "mask the store" in verdict.first_problem
+    assert "mask the store" in verdict.first_problem
+    on_cpu = __import__("torch").device(BACKEND.device).type == "cpu"    # the interpreter
+    assert ("stored element 1 of out_ptr, past its end" if on_cpu else "overwritten") in \
+        verdict.first_problem, verdict
+
+
+@needs_triton
+def test_a_store_far_outside_every_tensor_is_a_verdict_not_a_dead_process():
+    """A store through an offset that overflowed lands far from every tensor: in the
+    interpreter it would write through a raw address and can kill the process; the check
+    stops it first and names it."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def far_store(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        tl.store(out_ptr + offs + (1 << 40), tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+    def leaky_relu(x, out, alpha, block_size):
+        far_store[(triton.cdiv(x.numel(), block_size),)](x, out, x.numel(),
+                                                        BLOCK_SIZE=block_size)
+
+    if torch.device(BACKEND.device).type != "cpu":
+        pytest.skip("the store check runs in the interpreter")
+    verdict = ch00.check_leaky_relu(leaky_relu)
+    assert "stored an address far from every tensor" in verdict.first_problem, verdict
 
 
 @needs_triton

@@ -1,7 +1,7 @@
 """Chapter 05's checkers beyond the generic tests: 5.1's cases reach every situation of a beam
 step and its expected answers come from the manager; 5.2 refuses the page's ways of counting;
-5.3 (predictions of copy-on-write) tells a wrong prediction with the library's value, and a
-missing one without it."""
+5.3 (predictions of copy-on-write) tells a wrong prediction as wrong, and the library's value
+only after several different wrong answers; a missing one without it."""
 
 from __future__ import annotations
 
@@ -16,14 +16,20 @@ from course_lib.sizing.units import cdiv
 pytestmark = pytest.mark.ch05
 
 
-def test_5_3_tells_the_value_only_of_a_prediction_made():
+def test_5_3_tells_the_value_only_after_several_different_wrong_answers(monkeypatch):
+    import course_lib.exercises as ex_pkg
+
+    monkeypatch.setattr(ex_pkg, "_TRIED", {})
     right = solutions.cow_predictions()
     assert set(right) == {s.key for s in SCENARIOS}
     missing = check_cow_predictions(lambda: {k: v for k, v in right.items() if k != "c"})
     assert not missing.ok and "no prediction for 'c'" in missing.first_problem
     assert "library gives" not in missing.first_problem
-    wrong = check_cow_predictions(lambda: {**right, "c": 5})
-    assert "you predicted 5, the library gives 2" in wrong.first_problem
+    for n, guess in enumerate((5, 6, 5, 7)):     # 5 twice: a rerun is not a new answer
+        wrong = check_cow_predictions(lambda g=guess: {**right, "c": g})
+        assert wrong.first_problem.startswith("right: a, b, d, e; wrong: c ("), wrong
+        told = "the library gives 2" in wrong.first_problem
+        assert told == (n == 3), (n, wrong.first_problem)
     assert not check_cow_predictions(lambda: {**right, "e": False}).ok  # False is not 0
 
 

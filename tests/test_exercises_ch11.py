@@ -55,12 +55,32 @@ def test_a_forgotten_value_cache_is_named(model):
     assert "values" in v.first_problem and "step" in v.first_problem
 
 
-def test_append_mistakes_name_the_step_and_the_state(model):
+def test_append_mistakes_name_the_step_the_state_and_the_rule(model):
+    """Each mistake is named at the append that made it, with the statement's rule."""
     no_cow, leak, full = checks.WRONG_APPENDS
     problem = ch11.check_append_slots(no_cow, model).first_problem
-    assert "step 1: the scheduler was told to copy" in problem
-    assert "ref counts" in ch11.check_append_slots(leak, model).first_problem
-    assert not ch11.check_append_slots(full, model).ok
+    assert "step 1: appending 1 token(s) to sequence 0" in problem
+    assert "its last block 6 partial, held by 3 table(s)" in problem
+    assert "the rule broken: a partial shared last block is replaced by a fresh one" in problem
+    assert "the rule broken: drop one reference to the old block" in \
+        ch11.check_append_slots(leak, model).first_problem
+    assert "the rule broken: only a partial last block is copied" in \
+        ch11.check_append_slots(full, model).first_problem
+
+
+def test_a_broken_invariant_is_told_in_words(model):
+    """An append that passes the per-call rules but breaks the manager's bookkeeping (here:
+    it takes a fresh block from the pool that no table holds) is named with what the
+    invariant means, not a bare assertion."""
+    def leaks_a_block(bm, seq_id, token_ids):
+        copies = solutions.append_slots(bm, seq_id, token_ids)
+        if len(bm.get_table(seq_id).token_ids) == 9:
+            bm.gpu.allocate()                               # held by no table
+        return copies
+
+    problem = ch11.check_append_slots(leaks_a_block, model).first_problem
+    assert "the block manager's invariants fail after it" in problem
+    assert "a block's reference count is the number of tables that hold it" in problem
 
 
 def test_the_capstone_passes_with_both_solutions_and_fails_with_either_wrong(model):

@@ -17,40 +17,97 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-CASE_SECONDS = 5.0            # a case that runs longer is reported as hung (plain Python)
+CASE_SECONDS = 5.0            # CPU seconds a case may take (plain Python), far above a solution
 TRITON_CASE_SECONDS = 120.0   # the same for a Triton case (the interpreter is slow on a CPU)
+WALL_FACTOR = 10.0            # a case that waits (uses no CPU) is stopped after this x its limit
+CHECK_THREADS = 1             # torch's threads while a learner's case runs (see deadline)
 _COMPARE_WITH: dict[str, str] = {}   # exercise number -> what to read once it passes
 
 
 class CaseTimeout(BaseException):
     """Raised in a case that ran past its deadline. A ``BaseException``, so that a learner's
-    ``except Exception`` cannot swallow it."""
+    ``except Exception`` cannot swallow it. ``waited``: it ran out of wall-clock time while
+    using less CPU than its limit (it waits for something), not out of CPU time."""
+
+    def __init__(self, waited: bool = False) -> None:
+        super().__init__("waited" if waited else "computed")
+        self.waited = waited
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The CPU time one case may take, and what that limit was measured against (a case that
+    runs past it is told both, so a learner can judge whether the machine or the code is
+    slow)."""
+    seconds: float
+    against: str
+
+
+def fixed_budget(seconds: float) -> Budget:
+    """A fixed limit, far above what a solution takes on any machine the course runs on."""
+    return Budget(seconds, "a fixed limit per case, many times what the solution takes")
 
 
 @contextmanager
-def deadline(seconds: float) -> Iterator[None]:
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` within the block (if torch is loaded)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def deadline(seconds: float, cpu: bool = False) -> Iterator[None]:
     """Within the block, raise :class:`CaseTimeout` after ``seconds`` of wall-clock time.
 
+    ``cpu``: count instead the CPU time of this thread (``time.thread_time``), with torch on
+    :data:`CHECK_THREADS` thread(s). Why: a checker's limit must measure the learner's code,
+    not the machine. On a loaded 2-core machine a correct answer can take five times its
+    wall-clock time waiting for a core, and torch's default thread pool spins its threads
+    against each other; CPU time of one thread is what the code itself costs. A block that
+    waits without computing (``sleep``, ``input``) uses no CPU, so it is still stopped after
+    :data:`WALL_FACTOR` x ``seconds`` of wall-clock time (``CaseTimeout.waited``).
+
     Uses ``SIGALRM`` (a Jupyter cell, like pytest, runs in the main thread); elsewhere (another
-    thread, or Windows) the block runs without a deadline. An enclosing deadline is restored."""
+    thread, or Windows) the block runs without a deadline. An enclosing deadline is restored,
+    minus the wall-clock time the block took, and is never outlasted."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(
             signal, "setitimer"):
         yield
         return
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)      # seconds left to an enclosing one
+    start, cpu_start = time.monotonic(), time.thread_time()
+    wall_end = start + (seconds * WALL_FACTOR if cpu else seconds)
+    if outer:
+        wall_end = min(wall_end, start + outer)
 
     def expire(signum, frame):
-        raise CaseTimeout
+        now = time.monotonic()
+        used = time.thread_time() - cpu_start
+        if cpu and used < seconds and now < wall_end:  # the machine was busy: wait the rest
+            signal.setitimer(signal.ITIMER_REAL,
+                             max(min(seconds - used, wall_end - now), 0.001))
+            return
+        raise CaseTimeout(waited=cpu and used < seconds)
 
     previous = signal.signal(signal.SIGALRM, expire)
-    outer, _ = signal.getitimer(signal.ITIMER_REAL)      # seconds left to an enclosing one
-    start = time.monotonic()
-    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, wall_end - start))
     try:
-        yield
+        with torch_threads(CHECK_THREADS) if cpu else nullcontext():
+            yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -59,13 +116,20 @@ def deadline(seconds: float) -> Iterator[None]:
                              max(outer - (time.monotonic() - start), 0.001))
 
 
-def hung(what: str, seconds: float, left: int, before: str | None = None) -> str:
-    """The problem of a case that ran past its deadline, naming the case (``before``: the
-    first problem of an earlier case, if any)."""
+def hung(what: str, budget: Budget, left: int, before: str | None = None,
+         waited: bool = False) -> str:
+    """The problem of a case that ran past its deadline, naming the case, the limit and what
+    it was measured against (``before``: the first problem of an earlier case, if any)."""
     rest = f"; the {left} case(s) after it were not run" if left else ""
     earlier = f"; an earlier case: {before}" if before else ""
-    return (f"{what}: still running after {seconds:g} s, so it was stopped (a loop that never "
-            f"ends? check the condition that should end it){rest}{earlier}")
+    if waited:
+        return (f"{what}: still waiting after {budget.seconds * WALL_FACTOR:g} s of "
+                f"wall-clock time, having used less than its {budget.seconds:g} s of CPU time "
+                f"({budget.against}), so it was stopped (does it sleep, or wait for something "
+                f"that never comes?){rest}{earlier}")
+    return (f"{what}: still running after {budget.seconds:g} s of its own CPU time (the "
+            f"limit: {budget.against}), so it was stopped (a loop that never ends? check the "
+            f"condition that should end it){rest}{earlier}")
 
 
 @dataclass(frozen=True)
@@ -121,14 +185,15 @@ def check(exercise: str, learner: Callable[..., Any], reference: Callable[..., A
         args = ", ".join(map(repr, case))
         want = reference(*case)
         try:
-            with deadline(CASE_SECONDS):
+            with deadline(CASE_SECONDS, cpu=True):
                 got = learner(*case)
         except NotImplementedError:
             return Verdict(exercise, 0, len(cases), attempted=False)
-        except CaseTimeout:
+        except CaseTimeout as t:
             failed.append(described[i])
             return Verdict(exercise, passed, len(cases),
-                           hung(f"({args})", CASE_SECONDS, len(cases) - i - 1, first_problem),
+                           hung(f"({args})", fixed_budget(CASE_SECONDS), len(cases) - i - 1,
+                                first_problem, t.waited),
                            cases=described, failed=tuple(failed))
         except Exception as exc:  # a learner's bug is a verdict, not a crash of the notebook
             got, ok = None, False
@@ -159,7 +224,8 @@ def returns(judge: Callable[[Any, Any], str | None]) -> Callable[[Callable, Any]
 def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any],
                 judge: Callable[[Callable, Any], str | None],
                 describe: Callable[[Any], str] = args_text, *,
-                needs_triton: bool = False, seconds: float | None = None) -> Verdict:
+                needs_triton: bool = False,
+                seconds: float | Callable[[Any], Budget] | None = None) -> Verdict:
     """The checker of the exercises where a learner writes a function.
 
     ``judge(learner, case)`` runs the learner on one case and returns the problem in words, or
@@ -173,29 +239,36 @@ def judge_cases(exercise: str, learner: Callable[..., Any], cases: Sequence[Any]
     no ``@triton.jit`` kernel of its own (it computed in torch, or called the course's kernels)
     fails whatever it returned (see :mod:`course_lib.exercises.launches`).
 
-    Each case runs under a deadline, ``seconds`` (default :data:`CASE_SECONDS`, or
-    :data:`TRITON_CASE_SECONDS` for a Triton exercise): a case still running then is stopped,
-    and the verdict names it (the cases after it are not run)."""
+    Each case runs under a deadline of the learner's own CPU time (see :func:`deadline`):
+    ``seconds`` (default :data:`CASE_SECONDS`, or :data:`TRITON_CASE_SECONDS` for a Triton
+    exercise), or ``seconds(case)``, a :class:`Budget` measured for that case before it runs
+    (e.g. scaled from the library's own run of it on this machine). A case still running then
+    is stopped, and the verdict names it, the limit and what the limit was measured against
+    (the cases after it are not run)."""
     from course_lib.exercises import launches  # loads the device (torch) only to check
 
     passed, first, failed = 0, None, []
     described = tuple(describe(case) for case in cases)
     seconds = seconds or (TRITON_CASE_SECONDS if needs_triton else CASE_SECONDS)
+    fixed = None if callable(seconds) else fixed_budget(seconds)
+    budget_of = seconds if fixed is None else (lambda case: fixed)
     with launches.recorded() as kernels, warnings.catch_warnings():
         # the interpreter computes with numpy, which warns where a GPU quietly gives inf/NaN
         # (log(0), -inf - -inf): the verdict, not the warning, tells the learner
         warnings.simplefilter("ignore", RuntimeWarning)
         for i, case in enumerate(cases):
             launches.new_case()
+            budget = budget_of(case)
             try:
-                with deadline(seconds):
+                with deadline(budget.seconds, cpu=True):
                     problem = judge(learner, case)
             except NotImplementedError:
                 return Verdict(exercise, 0, len(cases), attempted=False)
-            except CaseTimeout:
+            except CaseTimeout as t:
                 failed.append(described[i])
                 return Verdict(exercise, passed, len(cases),
-                               hung(described[i], seconds, len(cases) - i - 1, first),
+                               hung(described[i], budget, len(cases) - i - 1, first,
+                                    t.waited),
                                cases=described, failed=tuple(failed))
             except Exception as exc:  # a learner's bug is a verdict, not a crash
                 exc = launches.out_of_bounds_in(exc) or exc
@@ -226,13 +299,52 @@ class Scenario:
         return f"{self.key} ({self.text})"
 
 
+REVEAL_AFTER = 3   # different wrong answers to a predict-then-run exercise before its numbers
+_TRIED: dict[str, set[str]] = {}   # exercise -> the wrong answers seen (as text)
+
+
+def prediction_matches(mine: Any, want: Any) -> bool:
+    """A prediction equals the library's number: exactly where both are exact (ints,
+    ``Fraction``, ``Decimal``: ``Fraction(1, 3)`` is 1/3), else to the 1e-9 the float of a
+    fraction such as ``1 - 3 / 8`` carries. ``True`` is not 1: a bool is no prediction."""
+    import numbers
+    from decimal import Decimal
+    from fractions import Fraction
+
+    if isinstance(mine, bool) or isinstance(want, bool):
+        return mine is want
+    exact = (numbers.Rational, Decimal)
+    if isinstance(want, numbers.Real | Decimal) and isinstance(mine, numbers.Real | Decimal):
+        if isinstance(want, exact) and isinstance(mine, exact):
+            return Fraction(mine) == Fraction(want)
+        return math.isclose(float(mine), float(want), rel_tol=1e-9, abs_tol=1e-12)
+    return bool(mine == want)
+
+
+def _number_text(want: Any) -> str:
+    """The library's number as the learner can compare it: a fraction and its decimals."""
+    from fractions import Fraction
+
+    if isinstance(want, float) and math.isfinite(want):
+        near = Fraction(want).limit_denominator(10_000)
+        want = near if math.isclose(float(near), want, rel_tol=1e-12, abs_tol=1e-15) else want
+    if isinstance(want, Fraction) and want.denominator != 1:
+        return f"{want} = {float(want):.12g}"
+    return f"{want:.12g}" if isinstance(want, float) else repr(want)
+
+
 def judge_predictions(exercise: str, learner: Callable[[], Any],
                       scenarios: Sequence[Scenario]) -> Verdict:
     """The checker of a predict-then-run exercise: ``learner()`` returns a dict of predictions
     ``{key: number}``; each scenario is run on the library and compared with its prediction
-    (to float precision where the library's number is a float).
-    A wrong prediction is told with the library's value (the answer is committed by then); a
-    missing one is told without it."""
+    (:func:`prediction_matches`: exactly, or to 1e-9 for a float).
+
+    A wrong answer is told right or wrong per scenario, without the library's numbers: were
+    they told, one run with made-up numbers would give every answer, and the exercise is the
+    prediction. After :data:`REVEAL_AFTER` different wrong answers the numbers are told (the
+    learner has committed, and may be stuck). A missing prediction is told as missing."""
+    outcome: dict[str, tuple[Any, Any]] = {}     # key -> (prediction, library's) if wrong
+
     def judge(learner: Callable[[], Any], scenario: Scenario) -> str | None:
         got = learner()
         if not isinstance(got, dict):
@@ -240,14 +352,31 @@ def judge_predictions(exercise: str, learner: Callable[[], Any],
         if scenario.key not in got:
             return f"{scenario}: no prediction for {scenario.key!r}"
         want, mine = scenario.run(), got[scenario.key]
-        close = (isinstance(want, float) and isinstance(mine, int | float)
-                 and math.isclose(mine, want, rel_tol=1e-9, abs_tol=1e-12))
-        if isinstance(mine, bool) or not (close or mine == want):
-            said = f"{want:.4g}" if isinstance(want, float) else repr(want)
-            return f"{scenario}: you predicted {mine!r}, the library gives {said}"
-        return None
+        if prediction_matches(mine, want):
+            return None
+        outcome[scenario.key] = (mine, want)
+        return f"{scenario}: your prediction {mine!r} is wrong"
 
-    return judge_cases(exercise, learner, scenarios, judge, str)
+    verdict = judge_cases(exercise, learner, scenarios, judge, str)
+    if verdict.ok or not verdict.attempted or not outcome:
+        return verdict
+    tried = _TRIED.setdefault(exercise, set())
+    tried.add(repr(sorted((k, repr(v[0])) for k, v in outcome.items())))
+    wrong = [s for s in scenarios if s.key in outcome]
+    right = [s.key for s in scenarios if str(s) not in verdict.failed]
+    if len(tried) >= REVEAL_AFTER:
+        told = "; ".join(f"{s}: you predicted {outcome[s.key][0]!r}, the library gives "
+                         f"{_number_text(outcome[s.key][1])}" for s in wrong)
+    else:
+        left = REVEAL_AFTER - len(tried)
+        told = ("; ".join(f"{s}: your prediction {outcome[s.key][0]!r} is wrong"
+                          for s in wrong)
+                + f" (work it out again; after {left} more different wrong answer(s) the "
+                  "checker tells the library's numbers)")
+    problem = (f"right: {', '.join(right) or 'none'}; wrong: {told}"
+               if len(wrong) == len(verdict.failed) else verdict.first_problem)
+    return Verdict(exercise, verdict.passed, verdict.total, problem, cases=verdict.cases,
+                   failed=verdict.failed)
 
 
 @dataclass(frozen=True)
@@ -406,13 +535,14 @@ def replay_ops(name: str, cases: Sequence[tuple], learner: type, reference: type
                        failed=described)
     for c, (*setup, ops) in enumerate(cases):
         try:
-            with deadline(CASE_SECONDS):
+            with deadline(CASE_SECONDS, cpu=True):
                 mine = learner(*setup)
         except NotImplementedError:
             return Verdict(name, 0, len(cases), attempted=False)
-        except CaseTimeout:
+        except CaseTimeout as t:
             return Verdict(name, passed, len(cases), hung(
-                f"building it with {tuple(setup)}", CASE_SECONDS, len(cases) - c - 1, problem),
+                f"building it with {tuple(setup)}", fixed_budget(CASE_SECONDS),
+                len(cases) - c - 1, problem, t.waited),
                 cases=described, failed=(*failed, described[c]))
         except Exception as exc:   # its constructor's bug is a verdict too, not a crash
             problem = problem or (f"building it with {tuple(setup)} raises "
@@ -423,17 +553,17 @@ def replay_ops(name: str, cases: Sequence[tuple], learner: type, reference: type
         for i in range(len(ops)):
             want = outcome(ref, tuple(setup), ops, i)
             try:
-                with deadline(CASE_SECONDS):
+                with deadline(CASE_SECONDS, cpu=True):
                     got = outcome(mine, tuple(setup), ops, i)
             except NotImplementedError:
                 return Verdict(name, 0, len(cases), attempted=False)
-            except CaseTimeout:
+            except CaseTimeout as t:
                 failed.append(described[c])
                 before = ", ".join(map(op_text, ops[:i])) or "nothing"
                 return Verdict(name, passed, len(cases), hung(
                     f"setup {tuple(setup)}, after {before}: op {i} {op_text(ops[i])}",
-                    CASE_SECONDS, len(cases) - c - 1, problem), cases=described,
-                    failed=tuple(failed))
+                    fixed_budget(CASE_SECONDS), len(cases) - c - 1, problem, t.waited),
+                    cases=described, failed=tuple(failed))
             except Exception as exc:   # a learner's bug is a verdict, not a crash
                 got = f"raises {type(exc).__name__}: {exc}"
             if got != want:

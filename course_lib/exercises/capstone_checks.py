@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from types import SimpleNamespace
 
 import torch
 
-from course_lib.exercises import Verdict, judge_cases
+from course_lib.exercises import (
+    CASE_SECONDS,
+    CHECK_THREADS,
+    Budget,
+    Verdict,
+    judge_cases,
+    torch_threads,
+)
 from course_lib.exercises.solutions import ch11 as solutions
 from course_lib.model.tokenizer import ByteTokenizer
 
@@ -43,10 +51,13 @@ def _describe(i: int, w: tuple) -> str:
 
 
 _REFERENCE: dict[tuple[int, int], list[tuple]] = {}
+_REFERENCE_CPU: dict[tuple[int, int], float] = {}   # CPU seconds the library's run took
+BUDGET_FACTOR = 20   # a learner's run of a workload may take this x the library's CPU time
 
 
 def _trace(model, i: int, ch11) -> list[tuple]:
-    """Per step of the library's run of workload ``i``: (outputs, free GPU blocks, out)."""
+    """Per step of the library's run of workload ``i``: (outputs, free GPU blocks, out).
+    Its CPU time (one thread, as the learner's run gets) is kept in ``_REFERENCE_CPU``."""
     key = (id(model), i)
     if key not in _REFERENCE:
         w, tok, steps, outs = ch11.WORKLOADS[i], ByteTokenizer(), [], []
@@ -54,13 +65,27 @@ def _trace(model, i: int, ch11) -> list[tuple]:
         def record(eng, out):
             outs.append(out)
             ch11.library_cache_ops(eng, out)
-        ch11.run_loop(ch11.mini_step, model, [tok.encode(p) for p in w[0]], *w[1:],
-                      cache_ops=record,
-                      on_step=lambda eng, reqs: steps.append(
-                          ([r.outputs() for r in reqs],
-                           eng.sched.block_manager.num_free_gpu_blocks, outs[-1])))
+        start = time.thread_time()
+        with torch_threads(CHECK_THREADS):
+            ch11.run_loop(ch11.mini_step, model, [tok.encode(p) for p in w[0]], *w[1:],
+                          cache_ops=record,
+                          on_step=lambda eng, reqs: steps.append(
+                              ([r.outputs() for r in reqs],
+                               eng.sched.block_manager.num_free_gpu_blocks, outs[-1])))
+        _REFERENCE_CPU[key] = time.thread_time() - start
         _REFERENCE[key] = steps
     return _REFERENCE[key]
+
+
+def _budget(model, i: int, ch11) -> Budget:
+    """How much CPU time a learner's run of workload ``i`` may take: scaled from the library's
+    own run of it on this machine (computed here, before the learner's clock starts), so a
+    slow machine gives a longer limit and a loaded one does not count (CPU time)."""
+    _trace(model, i, ch11)
+    ref = _REFERENCE_CPU[id(model), i]
+    return Budget(max(CASE_SECONDS, BUDGET_FACTOR * ref),
+                  f"{BUDGET_FACTOR} x the {ref:.2f} s of CPU time the library's own parts "
+                  f"took on this workload on this machine, and at least {CASE_SECONDS:g} s")
 
 
 def _first_token_difference(got: list, want: list) -> str:
@@ -79,9 +104,59 @@ def _first_token_difference(got: list, want: list) -> str:
     return "the tokens differ"
 
 
+def _append_rule(bm, seq_id: int, token_ids: list[int], append, step: int) -> list:
+    """``append(bm, seq_id, token_ids)``, held to 11.1's rules on this one call: a partial
+    shared last block is replaced by a fresh one and reported, one reference to it dropped;
+    no other block is copied; fresh blocks until every token has a slot; ``token_ids``
+    extended. A broken rule raises :class:`_Diverged` naming it in the statement's words, at
+    the append that broke it (the engine's tokens would differ only steps later)."""
+    table = bm.get_table(seq_id)
+    bs, n, new = bm.block_size, len(table.token_ids), len(token_ids)
+    last = table.blocks[-1] if table.blocks else None
+    refs = bm.gpu.ref_counts[last] if last is not None else 0
+    partial, shared, before = n % bs != 0, refs > 1, len(table.blocks)
+    copies = append(bm, seq_id, token_ids)
+    what = (f"step {step}: appending {new} token(s) to sequence {seq_id} ({n} tokens, its last "
+            f"block {last} {'partial' if partial else 'full'}, held by {refs} table(s))")
+    now = table.blocks[before - 1] if 0 < before <= len(table.blocks) else None
+    if partial and shared:
+        if not copies or now == last:
+            rule = ("a partial shared last block is replaced by a fresh one and (b, new) "
+                    "reported (copy-on-write): else this sequence writes into a block "
+                    f"{refs - 1} other table(s) still read")
+        elif bm.gpu.ref_counts[last] != refs - 1:
+            rule = (f"drop one reference to the old block (bm.gpu.release([b])): block {last} "
+                    f"keeps {bm.gpu.ref_counts[last]} reference(s), but {refs - 1} table(s) "
+                    "still hold it")
+        else:
+            rule = None
+    elif copies:
+        rule = ("only a partial last block is copied; a full one is not: the new token goes "
+                "into a fresh block" if not partial else
+                "only a shared last block is copied (ref count > 1): this one is the "
+                "sequence's own")
+    else:
+        rule = None
+    if rule is None and len(table.blocks) != -(-(n + new) // bs):
+        rule = (f"fresh blocks are taken until every new token has a slot: {n + new} tokens "
+                f"in blocks of {bs} take {-(-(n + new) // bs)}, the table has "
+                f"{len(table.blocks)}")
+    if rule is None and len(table.token_ids) != n + new:
+        rule = (f"table.token_ids is extended with the new tokens: it holds "
+                f"{len(table.token_ids)}, should hold {n + new}")
+    if rule is not None:
+        raise _Diverged(f"{what}: the rule broken: {rule}")
+    return copies
+
+
 def _run_one(model, i: int, append, cache_ops, ch11) -> None:
     """Workload ``i`` with the learner's parts; raises at the first difference."""
     w, want, outs = ch11.WORKLOADS[i], _trace(model, i, ch11), []
+    if append is not None:
+        learner_append = append
+
+        def append(bm, seq_id, token_ids):
+            return _append_rule(bm, seq_id, token_ids, learner_append, len(outs))
 
     def ops(eng, out):
         outs.append(out)
@@ -90,7 +165,12 @@ def _run_one(model, i: int, append, cache_ops, ch11) -> None:
     def compare(eng, reqs):
         k, bm = len(outs) - 1, eng.sched.block_manager
         if append is not None:
-            bm.check_invariants()
+            try:
+                bm.check_invariants()
+            except AssertionError as exc:
+                raise _Diverged(f"step {k}: the block manager's invariants fail after it "
+                                f"({exc}): a block's reference count is the number of tables "
+                                "that hold it, and every block is held or free") from exc
         if k >= len(want):
             raise _Diverged(f"step {k}: still running, the library's run ended at step "
                             f"{len(want) - 1}")
@@ -132,7 +212,8 @@ def compare_runs(name: str, model, ch11, append=None, cache_ops=None) -> Verdict
         return None
 
     return judge_cases(name, (append, cache_ops), range(len(ch11.WORKLOADS)), judge,
-                       lambda i: _describe(i, ch11.WORKLOADS[i]))
+                       lambda i: _describe(i, ch11.WORKLOADS[i]),
+                       seconds=lambda i: _budget(model, i, ch11))
 
 
 # ---------------------------------------------------------------- the order of cache ops

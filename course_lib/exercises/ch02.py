@@ -306,11 +306,13 @@ EXERCISES = Exercises(
         "The rule breaks only when two holes touch: a freed range that should have merged "
         "with the hole before it. Which order of frees leaves a hole right before the range "
         "being freed, and none right after it?",
+        "Play the free above on paper in the smallest pool that can show it, writing the "
+        "holes list after each event. You are looking for a list in which one hole ends "
+        "exactly where the next begins; then ask for an alloc that fits only in the two "
+        "together.",
         "Two neighbouring allocs of one slot each are enough: free the lower one first, then "
-        "the higher. Then ask for both slots at once.",
-        "An alloc of size 2 after that must start at slot 0; the broken allocator finds no "
-        "hole of 2 that starts there. Keep the sizes small so that a pool of 2 slots serves "
-        "them too.",
+        "the higher, then alloc 2. It must start at slot 0, and the broken allocator finds no "
+        "hole of 2 there. Sizes this small keep the events valid in a pool of 2 slots too.",
     ), solution=solutions.failing_events, rules=(
         Rule("every free names an earlier alloc that got slots, once (valid on a correct "
              "allocator)", "a pool of 10 slots", _frees_by_start),

@@ -172,11 +172,37 @@ def allocator_cases(seed: int = 5, count: int = 30) -> list[tuple[int, list[tupl
     return cases
 
 
+def _broken_rule(num_blocks: int, ops: list[tuple], i: int, got: str, want: str) -> str:
+    """The rule of 3.3's statement that op ``i`` broke, in the statement's words (the ops
+    before it agreed with the library's, so the state before it is the library's)."""
+    op = ops[i]
+    if op[0] == "allocate":
+        if want.startswith("raises"):
+            return "allocate() raises an exception when the pool is empty"
+        if got.startswith("raises"):
+            return "allocate() takes a block while the pool has one free"
+        if got.split(",")[0] == want.split(",")[0]:
+            return "num_free is the number of free blocks"
+        if not any(o[0] == "free" for o in ops[:i]):
+            return "a fresh pool gives 0, 1, 2, ..."
+        return "allocate() takes the top of a LIFO stack: the block freed last comes first"
+    block = op[1]
+    if want.startswith("raises"):
+        what = ("out of range (0 <= block < num_blocks)" if not 0 <= block < num_blocks
+                else "already free")
+        if got.startswith("raises"):
+            return f"free() raises ValueError (by name) if the id is {what}"
+        return f"free() raises ValueError and changes nothing if the id is {what}"
+    if got.startswith("raises"):
+        return "free() of an allocated block pushes it back (it raises only for a bad id)"
+    return "num_free is the number of free blocks"
+
+
 def _allocator_problem(setup: tuple, ops: list[tuple], i: int, got: str, want: str) -> str:
     op = ops[i]
     call = "allocate()" if op[0] == "allocate" else f"free({op[1]})"
     return f"pool of {setup[0]}, after {ops[max(0, i - 4):i]} (op {i}): {call} {got}; " \
-        f"the library {want}"
+        f"the library {want}: the rule broken: {_broken_rule(setup[0], ops, i, got, want)}"
 
 
 def check_allocator(toy_class: type) -> Verdict:

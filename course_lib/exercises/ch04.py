@@ -8,11 +8,14 @@ of NaN, so a ``-1`` that is followed reads NaN instead of crashing. The checkers
 cases (one token, a full last block, block size 1, a maximum that grows in the last block,
 scores too large for ``exp`` without the maximum), then random cases from a fixed seed, and name
 the first token (or element) that differs and, where it can tell, the idea that was missed.
-4.1's last case (:func:`huge_case`) puts a block at ``2**27 + 1`` in a cache of ``2**31`` values
-(virtual memory), so an int32 page index overflows; 4.3's include log-sum-exps in the hundreds,
-past float32's ``exp`` overflow. The answers must be tensors the learner's kernel wrote
-(:func:`course_lib.exercises.launches.not_from_kernel`). Under ``torch-reference`` the Triton
-exercises say they need a Triton backend.
+4.1 and 4.2 each have a case whose sequence ends at the cache's very last slot (``at_end``), so a
+load past a row leaves the cache: the interpreter's spy names it (loads and stores are checked,
+see :mod:`course_lib.exercises.launches`), where elsewhere it would read a NaN that a masked store
+leaves out. 4.1's last case (:func:`huge_case`) puts a block at ``2**27 + 1`` in a cache of
+``2**31`` values (virtual memory), so an int32 page index overflows; 4.3's include log-sum-exps
+in the hundreds, past float32's ``exp`` overflow. The answers must be tensors the learner's
+kernel wrote (:func:`course_lib.exercises.launches.not_from_kernel`). Under ``torch-reference``
+the Triton exercises say they need a Triton backend.
 """
 
 from __future__ import annotations
@@ -47,15 +50,23 @@ from course_lib.sizing.units import cdiv
 
 
 def paged_case(seq_len: int, block_size: int, heads: int, head_dim: int, seed: int,
-               q_scale: float = 1.0, late_max: bool = False) -> dict:
+               q_scale: float = 1.0, late_max: bool = False, at_end: bool = False) -> dict:
     """One sequence in a NaN-filled paged cache: ``q [head_dim]``, caches ``[num_blocks,
     block_size, heads, head_dim]`` (views into a buffer with a NaN guard block on each side),
     ``table`` (int32: the blocks in a shuffled order, then two ``-1``) and the contiguous
-    ``k, v [seq_len, heads, head_dim]`` they hold."""
+    ``k, v [seq_len, heads, head_dim]`` they hold.
+
+    ``at_end``: the sequence's last block is the cache's last block, so a load past the
+    sequence's last slot leaves the cache (the checker's spy names it; on a GPU the guard
+    block keeps it from faulting): a kernel whose loads are not masked passes every other
+    case, where such a read lands on a NaN slot the store then leaves out."""
     gen = torch.Generator().manual_seed(seed)
     used = cdiv(seq_len, block_size)
     num_blocks = used + 3
     pages = torch.randperm(num_blocks, generator=gen)[:used]
+    if at_end:
+        pages[pages == num_blocks - 1] = pages[-1].clone()
+        pages[-1] = num_blocks - 1
     k = torch.randn(seq_len, heads, head_dim, generator=gen)
     v = torch.randn(seq_len, heads, head_dim, generator=gen)
     q = torch.randn(head_dim, generator=gen) * q_scale
@@ -70,12 +81,16 @@ def paged_case(seq_len: int, block_size: int, heads: int, head_dim: int, seed: i
     table = torch.cat([pages, torch.tensor([-1, -1])]).to(torch.int32).to(BACKEND.device)
     return dict(seq_len=seq_len, block_size=block_size, heads=heads, head_dim=head_dim,
                 q=q.to(BACKEND.device), key_cache=caches[0], value_cache=caches[1],
-                table=table, k=k, v=v, q_scale=q_scale)
+                table=table, k=k, v=v, q_scale=q_scale, at_end=at_end)
+
+
+AT_END = "its last slot the cache's last"   # how a case at the end of the cache is told
 
 
 def _where(c: dict) -> str:
+    end = f" ({AT_END})" if c.get("at_end") else ""
     return (f"seq_len={c['seq_len']}, block_size={c['block_size']}, table "
-            f"{c['table'].tolist()}")
+            f"{c['table'].tolist()}{end}")
 
 
 # ------------------------------------------------------------------ 4.1 the paged gather
@@ -86,6 +101,7 @@ def gather_cases() -> list[dict]:
     shapes += [(rng.randrange(1, 40), 2 ** rng.randrange(0, 5), rng.randrange(1, 3), 4)
                for _ in range(5)]
     cases = [paged_case(*shape, seed=i) for i, shape in enumerate(shapes)]
+    cases.append(paged_case(12, 4, 3, 2, seed=len(shapes), at_end=True))   # row 6, padded to 8
     return cases + ([huge_case()] if _room_for_huge_case() else [])
 
 
@@ -164,7 +180,8 @@ def decode_cases() -> list[dict]:
     specs += [(rng.randrange(1, 60), 2 ** rng.randrange(0, 5), 8, 2.0, rng.random() < 0.5)
               for _ in range(6)]
     return [paged_case(n, bs, 1, d, seed=100 + i, q_scale=qs, late_max=late)
-            for i, (n, bs, d, qs, late) in enumerate(specs)]
+            for i, (n, bs, d, qs, late) in enumerate(specs)] + [
+        paged_case(12, 4, 1, 8, seed=100 + len(specs), late_max=True, at_end=True)]
 
 
 def _attend(q, k, v, scale: float) -> torch.Tensor:
@@ -303,11 +320,14 @@ EXERCISES = Exercises(
     Exercise("4.1", "the paged gather as a Triton kernel", check_gather_kv, hints=(
         "One program per token: pos = tl.program_id(0). Its key lives in physical block "
         "tl.load(table + pos // BLOCK_SIZE), at offset pos % BLOCK_SIZE.",
-        "The caches are contiguous, so a token's num_kv_heads x head_dim values are one row of "
-        "ROW numbers starting at (page * BLOCK_SIZE + offset) * ROW. tl.arange needs a power "
-        "of two: cols = tl.arange(0, ROW_PAD) with ROW_PAD = triton.next_power_of_2(ROW), and "
-        "mask=cols < ROW on the load and the store. Cast the page to int64 before multiplying.",
-        "Launch seq_len programs: the -1 entries past the last block are then never read.",
+        "The caches are contiguous, so a token's num_kv_heads x head_dim values lie side by "
+        "side: from its page and offset, at which element does its row start? tl.arange needs "
+        "a power of two, so some lanes fall past the row: what keeps them from reading, and "
+        "from writing? And how large does that start get for block 2**27 + 1?",
+        "The row starts at (page * BLOCK_SIZE + offset) * ROW; cols = tl.arange(0, ROW_PAD) "
+        "with ROW_PAD = triton.next_power_of_2(ROW), and mask=cols < ROW on the load and on "
+        "the store. Cast the page to int64 before multiplying. Launch seq_len programs: the "
+        "-1 entries past the last block are then never read.",
     ), solution=solutions.gather_kv, wrong=(_gather_in_torch,), needs_triton=True, rules=(
         Rule("read through block_table: a token's block is the table's entry, not its logical "
              "block", "seq_len=5, block_size=4", _gather_with(0)),
@@ -317,6 +337,10 @@ EXERCISES = Exercises(
              f"table [{HUGE_PAGE}, 3", _gather_int32_page),
         Rule("k and v come from a Triton kernel (not torch around a launch)",
              "seq_len=1, block_size=4", _gather_noop_then_torch),
+        Rule("read only what the sequence owns: mask the load of a row's padding lanes",
+             AT_END, _gather_with(2)),
+        Rule("write only k and v's own rows: mask the store of the padding lanes too",
+             "seq_len=23, block_size=8", _gather_with(3)),
     ), compare_with="load_pages and load_kv_tile in course_lib/kernels/paged_load.py: the same "
                     "address, for a tile of tokens at once and with every stride passed in"),
     Exercise("4.2", "the online-softmax decode loop as a Triton kernel", check_decode_one_head,

@@ -21,14 +21,28 @@ if BACKEND.uses_triton:
         pos = tl.program_id(0)
         if MODE == 0:                  # the logical block taken for the physical one
             slot = pos
-        else:                          # the table entry taken for a slot, not a block
+        elif MODE == 1:                # the table entry taken for a slot, not a block
             slot = tl.load(table + pos // BLOCK_SIZE).to(tl.int64) + pos % BLOCK_SIZE
+        else:                          # the right slot (modes 2 and 3 mask wrongly)
+            page = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+            slot = page * BLOCK_SIZE + pos % BLOCK_SIZE
         cols = tl.arange(0, ROW_PAD)
         keep = cols < ROW
-        tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols, mask=keep),
-                 mask=keep)
-        tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols, mask=keep),
-                 mask=keep)
+        if MODE == 2:                  # the loads not masked: padding lanes read past the row
+            tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols),
+                     mask=keep)
+            tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols),
+                     mask=keep)
+        elif MODE == 3:                # the stores not masked: the last row writes past k, v
+            tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols,
+                                                       mask=keep, other=0.0))
+            tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols,
+                                                       mask=keep, other=0.0))
+        else:
+            tl.store(k_out + pos * ROW + cols, tl.load(k_cache + slot * ROW + cols, mask=keep),
+                     mask=keep)
+            tl.store(v_out + pos * ROW + cols, tl.load(v_cache + slot * ROW + cols, mask=keep),
+                     mask=keep)
 
     @triton.jit
     def _decode_wrong(q_ptr, k_cache, v_cache, table, out_ptr, seq_len, scale,

@@ -16,7 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from course_lib import capacity as cap
-from course_lib.exercises import Exercise, Exercises, Rule, Verdict, check, rule_wrongs
+from course_lib.exercises import (
+    Exercise,
+    Exercises,
+    Rule,
+    Verdict,
+    check,
+    judge_cases,
+    returns,
+    rule_wrongs,
+)
 from course_lib.exercises.ch08_requests import (
     _average_request,
     _last_token_cached,
@@ -55,6 +64,7 @@ HEAD_CASES = [
     (1, 1), (1, 8),              # MQA
     (8, 3),                      # does not divide: ValueError
     (8, 12), (6, 4), (8, 0),
+    (8, -2), (8, -8), (1, -1),   # TP below 1: -2 divides 8, so only "at least 1" refuses it
 ]
 
 def raises_as_value(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -150,9 +160,33 @@ def check_smallest_tp(fn: Callable[..., int]) -> Verdict:
                  tp_cases())
 
 
+def _kv_heads_rule(num_kv_heads: int, tp: int) -> str:
+    """The rule of 8.2's statement that decides ``(num_kv_heads, tp)``, in its words."""
+    if tp < 1:
+        return f"TP must be at least 1 (a size of {tp} has no rank to hold a head)"
+    if num_kv_heads % tp if tp <= num_kv_heads else tp % num_kv_heads:
+        return (f"TP and the head count must divide one another ({tp} ranks, "
+                f"{num_kv_heads} heads: neither is a multiple of the other)")
+    if tp > num_kv_heads:
+        return ("with more ranks than heads each rank holds one (replicated) head "
+                f"({tp} is a multiple of {num_kv_heads})")
+    return "the heads split evenly while there are at least as many heads as ranks"
+
+
+def _judge_kv_heads(case: tuple[int, int], got: Any) -> str | None:
+    want = raises_as_value(reference_kv_heads_per_rank)(*case)
+    if got == want and not isinstance(got, bool):
+        return None
+    should = "raise ValueError" if want == RAISES else f"return {want}"
+    did = "raised ValueError" if got == RAISES else f"returned {got!r}"
+    return f"{case}: {did}, should {should}: {_kv_heads_rule(*case)}"
+
+
 def check_kv_heads_per_rank(fn: Callable[[int, int], int]) -> Verdict:
-    return check("8.2 kv_heads_per_rank", raises_as_value(fn),
-                 raises_as_value(reference_kv_heads_per_rank), HEAD_CASES)
+    """8.2: each case against the library; a difference names the rule of the statement
+    that decides that case."""
+    return judge_cases("8.2 kv_heads_per_rank", raises_as_value(fn), HEAD_CASES,
+                       returns(_judge_kv_heads))
 
 
 def shown_kv_heads_per_rank(num_kv_heads, tensor_parallel_size):
@@ -257,6 +291,9 @@ EXERCISES = Exercises(
         Rule("TP must be at least 1, otherwise ValueError",
              "(8, 0)",
              rule_wrongs.kv_heads_no_tp_check),
+        Rule("TP must be at least 1, negative sizes too",
+             "(8, -2)",
+             rule_wrongs.kv_heads_only_zero_refused),
     ), compare_with=(
         "kv_heads_per_rank in course_lib/capacity.py (it also handles MLA)")),
     Exercise("8.3", "max_num_requests for a mix of lengths", check_max_num_requests, hints=(

@@ -127,6 +127,24 @@ def _decode_cases() -> list[tuple]:
     return cases
 
 
+def _why_not_finite(case: tuple) -> str:
+    """What makes a merge give NaN or inf on ``case``: scores past ``exp``'s range (the max
+    was not subtracted), or a rank that holds nothing (its ``-inf`` LSE met another
+    ``-inf`` or an ``inf``). Two mistakes, two hints."""
+    q, k, v, owner, cp = case
+    group = q.shape[0] // k.shape[1]
+    scores = (k.repeat_interleave(group, dim=1) * q[None]).sum(-1) * q.shape[-1] ** -0.5
+    if float(scores.abs().max()) > 80:       # float32's exp overflows past 88.7
+        return (f"scores reach {float(scores.abs().max()):.0f} here, so exp() of an LSE "
+                "overflows: subtract the MAX of the ranks' LSEs before exp")
+    empty = [r for r in range(cp) if r not in owner]
+    if empty:
+        return (f"rank(s) {empty} hold nothing, so their (zeros, -inf) must weigh "
+                "exp(-inf - max) = 0: a NaN comes from -inf - -inf (a max that left out the "
+                "ranks holding tokens) or from dividing an empty rank's sums (0 / 0)")
+    return "a weight exp(lse_r - max) or the SUM of the weights is not finite"
+
+
 def _judge_decode(case: tuple, got, describe: bool = False) -> str | None:
     q, k, v, owner, cp = case
     empty = [r for r in range(cp) if r not in owner]
@@ -144,8 +162,7 @@ def _judge_decode(case: tuple, got, describe: bool = False) -> str | None:
                 f"{tuple(want_out.shape)} and {tuple(want_lse.shape)}")
     out, lse = out.to(torch.float64), lse.to(torch.float64)
     if not bool(torch.isfinite(out).all()):
-        return (f"{where}: out has NaN or inf (an exp() that overflowed, or 0/0 from an empty "
-                "rank): subtract the MAX of the ranks' LSEs before exp")
+        return f"{where}: out has NaN or inf: {_why_not_finite(case)}"
     bad = (out - want_out).abs().amax(dim=-1) > 1e-8
     if bool(bad.any()):
         h = int(bad.nonzero()[0])

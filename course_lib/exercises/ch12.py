@@ -2,8 +2,9 @@
 match, and V1's ``allocate_slots`` (its checker is in :mod:`course_lib.exercises.ch12_allocate`).
 
 References run the library's ``BlockPool`` (V1), ``RadixCache`` (SGLang) and ``KVCacheManager``
-on the same input; feedback names the first scenario predicted wrong (with the library's
-value), the prompt, or the operation and the room it had, that differs.
+on the same input; feedback names the scenarios predicted wrong (the library's values only
+after several different wrong answers), the prompt, or the operation and the room it had,
+that differs.
 """
 
 from __future__ import annotations

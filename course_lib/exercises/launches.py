@@ -15,10 +15,12 @@ kernel, not from torch around it:
   ``SNAPSHOT_BYTES``); :func:`not_from_kernel` then asks that an answer be a tensor some launch
   was handed and hold what that launch left in it (a kernel that does nothing, followed by
   the answer computed in torch into the same buffer, fails);
-* in the interpreter, each load is checked before it reads: an address outside every tensor
-  the kernel was handed (a lane past the end that was not masked, an offset that overflowed
-  32 bits) raises :class:`OutOfBounds`, naming the argument, instead of reading it (on a GPU
-  this reads garbage or crashes the process).
+* in the interpreter, each load is checked before it reads and each store before it writes:
+  an address outside every tensor the kernel was handed (a lane past the end that was not
+  masked, an offset that overflowed 32 bits) raises :class:`OutOfBounds`, naming the argument,
+  instead of touching it. On a GPU such a load reads garbage or faults; such a store corrupts
+  memory, and in the interpreter (numpy writing through a raw address) it can kill the Python
+  process, so a notebook's kernel dies with no verdict. Stores are checked exactly as loads.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ SNAPSHOT_BYTES = 64 * 2**20             # larger tensors (inputs) are not copied
 
 
 class OutOfBounds(Exception):
-    """A learner's kernel loaded from outside every tensor it was handed (interpreter only)."""
+    """A learner's kernel loaded from, or stored to, an address outside every tensor it was
+    handed (interpreter only)."""
 
 
 @dataclass
@@ -87,8 +90,9 @@ def _extent(t: Any) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
-def _outside(addresses: Any, width: int) -> str | None:
-    """Why a load of ``width``-byte elements at ``addresses`` leaves every watched tensor."""
+def _outside(addresses: Any, width: int, verb: str = "loaded") -> str | None:
+    """Why a load (``verb`` "loaded") or a store ("stored") of ``width``-byte elements at
+    ``addresses`` leaves every watched tensor."""
     import numpy as np
 
     assert _extents is not None
@@ -102,7 +106,8 @@ def _outside(addresses: Any, width: int) -> str | None:
     if 0 <= bad - hi < 2**24:
         where = (f"element {(bad - lo) // width} of {name}, past its end (it has "
                  f"{(hi - lo) // width})")
-        fix = "mask the lanes past the end (mask=offsets < n)"
+        fix = ("mask the lanes past the end (mask=offsets < n)" if verb == "loaded" else
+               "mask the store (mask=offsets < n): a lane past the end must not write")
     elif 0 < lo - bad < 2**24:
         where = f"{(lo - bad) // width} element(s) before the start of {name}"
         fix = "a negative offset: is a -1 entry followed, or an index read unmasked?"
@@ -110,7 +115,7 @@ def _outside(addresses: Any, width: int) -> str | None:
         where = f"an address far from every tensor (nearest: {name})"
         fix = ("an offset that overflowed: compute offsets that can pass 2**31 in 64 bits "
                "(.to(tl.int64))")
-    return f"a lane of your kernel loaded {where}: {fix}"
+    return f"a lane of your kernel {verb} {where}: {fix}"
 
 
 def not_from_kernel(answer: Any, name: str) -> str | None:
@@ -166,6 +171,7 @@ def recorded() -> Iterator[list[tuple[str, str]]]:
 
     originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
     masked_load = InterpreterBuilder.create_masked_load
+    masked_store = InterpreterBuilder.create_masked_store
 
     def spy(original):
         def run(self, *args, **kwargs):
@@ -188,20 +194,28 @@ def recorded() -> Iterator[list[tuple[str, str]]]:
             return result
         return run
 
-    def checked_load(builder, ptrs, mask, other, *rest, **kw):
+    def check(ptrs, mask, verb: str) -> None:
         if _extents:
             import numpy as np
 
             width = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
             on = np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)
-            problem = _outside(ptrs.data[on].astype(np.int64), width)
+            problem = _outside(ptrs.data[on].astype(np.int64), width, verb)
             if problem:
                 raise OutOfBounds(problem)
+
+    def checked_load(builder, ptrs, mask, other, *rest, **kw):
+        check(ptrs, mask, "loaded")
         return masked_load(builder, ptrs, mask, other, *rest, **kw)
+
+    def checked_store(builder, ptrs, value, mask, *rest, **kw):
+        check(ptrs, mask, "stored")
+        return masked_store(builder, ptrs, value, mask, *rest, **kw)
 
     for cls, original in originals.items():
         cls.run = spy(original)
     InterpreterBuilder.create_masked_load = checked_load
+    InterpreterBuilder.create_masked_store = checked_store
     own_ran[0] = False
     new_case()
     try:
@@ -210,6 +224,7 @@ def recorded() -> Iterator[list[tuple[str, str]]]:
         for cls, original in originals.items():
             cls.run = original
         InterpreterBuilder.create_masked_load = masked_load
+        InterpreterBuilder.create_masked_store = masked_store
         new_case()
 
 

@@ -108,6 +108,14 @@ def kv_heads_no_tp_check(num_kv_heads, tensor_parallel_size):
     return max(1, num_kv_heads // tp) if tp else num_kv_heads
 
 
+def kv_heads_only_zero_refused(num_kv_heads, tensor_parallel_size):
+    """Wrong: refuses TP = 0 only; a negative size that divides the heads gives -4 for (8, -2)."""
+    tp = tensor_parallel_size
+    if tp == 0 or (num_kv_heads % tp if tp <= num_kv_heads else tp % num_kv_heads):
+        raise ValueError(f"tensor_parallel_size={tp} cannot split {num_kv_heads} KV heads")
+    return num_kv_heads // tp if tp <= num_kv_heads else 1
+
+
 # ------------------------------------------------------------------ 10.1
 def flatten_rows_per_entry(entries):
     """Wrong: each entry's rows counted from 0, not from where the batch has reached."""
