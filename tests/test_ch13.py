@@ -70,7 +70,12 @@ FORWARD = ["bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
            "save_kv_layer", "wait_for_save", "clear_connector_metadata"]
 
 
-def test_one_request_makes_the_calls_in_vllms_order(model):
+def test_one_request_makes_the_calls_in_the_courses_order(model):
+    """The scheduler side's calls in vLLM 0.33.0's order; the worker side's in the course's,
+    which the chapter declares: ``get_finished`` after ``clear_connector_metadata`` and
+    ``start_load_kv`` before the forward (vLLM: ``get_finished`` and
+    ``get_block_ids_with_load_errors`` before the clear, ``start_load_kv`` after the forward is
+    launched unless the step loads synchronously; ``vllm/v1/worker/gpu/kv_connector.py``)."""
     conn, runs = returning_prompt(model)
     assert runs[2].tier_hit_tokens > 0
     steps = steps_of(conn.calls, 2)
@@ -130,17 +135,24 @@ def rows(model):
     return sweep(model, CHAT, gpu_blocks=(64, 24), tier_blocks=(24, 96), clock=lambda: 0.0)
 
 
-def test_a_tier_holding_the_chat_gives_back_what_the_gpu_lost(rows):
+def test_a_tier_holding_the_chat_gives_back_what_the_gpu_lost(model, rows):
+    """By default (prompt blocks only, vLLM's ``offload_prompt_only``) a tier holding the chat
+    gives back its prompts, and the answers the GPU lost are computed again at the next turn;
+    storing generated blocks too, it gives back everything the GPU lost."""
     by = {(r.gpu_blocks, r.cpu_blocks): r for r in rows}
     assert all(r.same_tokens for r in rows)
     big, small = by[64, 0], by[24, 0]
     assert small.gpu_hit_rate < big.gpu_hit_rate and small.prefill_tokens > big.prefill_tokens
     tiered = by[24, 96]
+    assert small.prefill_tokens > tiered.prefill_tokens > big.prefill_tokens
+    (_, everything) = sweep(model, CHAT, gpu_blocks=(24,), tier_blocks=(96,),
+                            clock=lambda: 0.0, offload_prompt_only=False)
+    assert everything.same_tokens and everything.cpu_stored > tiered.cpu_stored
     # one denominator: what the GPU lost, the tier gave back (a re-admission after a
     # preemption looks its prompt up again, hence the tolerance)
-    assert tiered.gpu_hit_rate + tiered.cpu_hit_rate == pytest.approx(big.gpu_hit_rate,
-                                                                      abs=0.05)
-    assert tiered.prefill_tokens == big.prefill_tokens
+    assert everything.gpu_hit_rate + everything.cpu_hit_rate == pytest.approx(
+        big.gpu_hit_rate, abs=0.05)
+    assert everything.prefill_tokens == big.prefill_tokens
     assert by[64, 96].cpu_hit_rate == 0                 # nothing was lost to give back
     assert by[24, 24].cpu_hit_rate < tiered.cpu_hit_rate  # an LRU smaller than the cycle
     assert by[24, 24].cpu_evictions > 0 and by[24, 96].cpu_evictions == 0
@@ -169,6 +181,8 @@ def test_the_sweep_refuses_what_it_cannot_run(model):
         sweep(model, CHAT, gpu_blocks=(), tier_blocks=(8,))
     with pytest.raises(ValueError, match="tier_blocks"):
         sweep(model, CHAT, gpu_blocks=(8,), tier_blocks=(0,))
+    with pytest.raises(ValueError, match="offload_prompt_only must be a bool"):
+        sweep(model, CHAT, gpu_blocks=(8,), tier_blocks=(8,), offload_prompt_only=None)
 
 
 def test_the_widget_redraws_for_each_tier(rows):

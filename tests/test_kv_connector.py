@@ -117,6 +117,45 @@ def test_async_loads_wait_for_remote_kvs_for_one_step(model):
     engine.check_invariants()
 
 
+# ------------------------------------------------------------------ what the tier stores
+@pytest.mark.parametrize("prompt_only", [True, False], ids=["prompt-only", "decode-too"])
+def test_the_tier_stores_prompt_blocks_only_by_default(model, prompt_only):
+    """vLLM 0.33.0's ``offload_prompt_only`` (True by default, ``vllm/v1/kv_offload/base.py``):
+    a request of 2 prompt blocks that generates 13 tokens (12 of them computed: the last one
+    sampled is not) stores 2 blocks; with the option off, its 3 full blocks of generated
+    tokens too (before issue 34 the course always stored them)."""
+    conn = CPUOffloadConnector(64, offload_prompt_only=prompt_only)
+    engine = make_engine(model, conn)
+    engine.generate([list(range(3, 11))], SamplingParams(max_tokens=13, temperature=0.0))
+    assert conn.num_stored_blocks == (2 if prompt_only else 2 + 3)
+    assert len(conn.cpu_pool.hash_to_block) == conn.num_stored_blocks
+    assert not conn._next_stored                     # forgotten with the finished request
+
+
+def test_the_tier_stores_again_a_gpu_hit_prefix_it_lost(model):
+    """A prefix still on the GPU but evicted from the tier is stored again by the next
+    request that hits it on the GPU: the store offer starts at block 0 at admission
+    (``next_stored_chunk_idx = 0`` in vLLM 0.33.0's ``get_num_new_matched_tokens``,
+    ``offloading/scheduler.py``); before issue 34 only the blocks the step computed were."""
+    conn = CPUOffloadConnector(10)
+    engine = make_engine(model, conn, num_gpu_blocks=64)
+    prefix = list(range(3, 43))                           # 10 blocks
+    one = SamplingParams(max_tokens=1)
+    engine.generate([prefix], one)
+    kept = set(conn.cpu_pool.hash_to_block)
+    assert len(kept) == 10
+    engine.generate([list(range(100, 140))], one)         # the tier's LRU: the prefix goes
+    assert not kept & set(conn.cpu_pool.hash_to_block)
+    out = engine.generate([prefix + [9, 9, 9, 9, 9]], one)[0]
+    assert out.num_cached_tokens == 40                    # a GPU hit, nothing from the tier
+    assert kept <= set(conn.cpu_pool.hash_to_block)      # stored again
+
+
+def test_a_bad_offload_prompt_only_is_refused():
+    with pytest.raises(ValueError, match="offload_prompt_only must be a bool"):
+        CPUOffloadConnector(8, offload_prompt_only="yes")
+
+
 # ------------------------------------------------------------------ configuration
 def test_kv_offloading_size_builds_the_tier(model):
     engine = make_engine(model, kv_offloading_size=32 * BLOCK_BYTES / 2**30)

@@ -8,13 +8,27 @@ it. With ``CacheConfig.kv_offloading_size`` (GiB, vLLM's knob in ``vllm/config/c
 ``cpu_offload_gb`` in ``vllm/config/offload.py`` is something else: *weights* kept in CPU
 memory) a second tier holds copies of full prefix blocks in CPU memory:
 
-* **Store when computed.** Every full block a step computes is copied to the CPU tier after
-  the forward (``save_kv_layer``), keyed by the same block hash V1's prefix cache uses
-  (:meth:`~course_lib.memory.v1.kv_cache_manager.KVCacheManager._hashes`: the chain carries
-  the prefix and the cache salt), unless the tier has it already. The tier is an LRU of its
-  own (:class:`CPUBlockPool`): a full tier evicts its least recently stored or hit block.
-  vLLM's offloading connector stores the same way (on compute, not on GPU eviction, so the
-  copy exists before the GPU block can be reused).
+* **Store when computed.** Every full *prompt* block a step computes is copied to the CPU
+  tier after the forward (``save_kv_layer``), keyed by the same block hash V1's prefix cache
+  uses (:meth:`~course_lib.memory.v1.kv_cache_manager.KVCacheManager._hashes`: the chain
+  carries the prefix and the cache salt), unless the tier has it already. The tier is an LRU
+  of its own (:class:`CPUBlockPool`): a full tier evicts its least recently stored or hit
+  block. vLLM 0.33.0's offloading connector stores the same way (on compute, not on GPU
+  eviction, so the copy exists before the GPU block can be reused), and by the same two rules:
+
+  - **prompt blocks only**, by default: blocks of generated tokens are not stored
+    (``offload_prompt_only``, True unless the connector's ``extra_config`` says otherwise:
+    ``OffloadingSpec`` in ``vllm/v1/kv_offload/base.py``, applied by
+    ``_calc_num_offloadable_tokens`` in ``.../kv_connector/v1/offloading/scheduler.py``);
+    ``offload_prompt_only=False`` stores them too;
+  - **the offer starts at block 0** when a sequence is admitted: its lookup resets it
+    (``next_stored_chunk_idx = 0`` in ``get_num_new_matched_tokens``), so the blocks of its
+    *GPU* hit that the tier has lost (evicted meanwhile) are stored again by its first step;
+    the blocks it loads from the tier are not offered again (``update_state_after_alloc``
+    moves the offer past them: the default ``OffloadPolicy.CHUNK_LEVEL``). A block offered
+    that the tier holds is not copied again; the course touches it (the most recently used),
+    where vLLM's manager only keeps it from that store's evictions (``prepare_store`` in
+    ``vllm/v1/kv_offload/cpu/manager.py``).
 * **Load on a hit.** A waiting request whose local (GPU) prefix hit stops short asks the tier
   (``get_num_new_matched_tokens``): the consecutive blocks after the GPU hit that the tier
   holds are loaded into freshly allocated GPU blocks before the forward, instead of being
@@ -24,6 +38,27 @@ memory) a second tier holds copies of full prefix blocks in CPU memory:
   its end. ``load_async=True`` takes vLLM's asynchronous path instead: the request waits in
   ``WAITING_FOR_REMOTE_KVS`` for a step while its blocks load, and ``get_finished`` reports
   it (the course still copies within that step: the path, not the overlap, is what is shown).
+  vLLM's ``OffloadingConnector`` is asynchronous by default (its ``sync_load_budget_bytes``
+  is 0) and never reports a load of the whole prompt as synchronous (``_reserve_sync_load``).
+
+**What the course declares different from vLLM 0.33.0.**
+
+* *One token short.* The lookup reports at most ``len(seq) - 1`` tokens: the last token's
+  block is never loaded, as vLLM's other CPU connector does (``SimpleCPUOffloadScheduler``:
+  ``max_hit_len = request.num_tokens - 1 - num_computed_tokens`` in
+  ``vllm/v1/simple_kv_offload/manager.py``). The ``OffloadingConnector`` this tier follows may
+  report the whole prompt (``_lookup_complete_chunks`` in ``offloading/scheduler.py``:
+  ``max_hit_size_tokens = req.num_tokens``, less one only with sliding-window groups), and
+  vLLM's scheduler then computes the last token again (``_update_waiting_for_remote_kv`` in
+  ``vllm/v1/core/sched/scheduler.py``). The course's ``SchedulerV1`` takes such an answer
+  too; this tier just does not give it.
+* *Copies inside the step, layer by layer.* The course copies each layer's loads in
+  ``wait_for_layer_load`` and its stores in ``save_kv_layer`` (the runner calls them around
+  its one forward call). vLLM's ``OffloadingConnector`` has both as no-ops
+  (``offloading_connector.py``): ``start_load_kv`` submits the step's loads
+  (``start_kv_transfers``), and ``wait_for_save`` defers the step's stores to the next step's
+  submission (``prepare_store_kv``), so the copies overlap the GPU's work; the course shows
+  the protocol, not the overlap.
 
 After a failed step the engine's recovery empties the tier
 (:meth:`CPUOffloadConnector.reset_cache`): a store the step planned may not have been copied,
@@ -162,14 +197,20 @@ class CPUOffloadConnector(KVConnectorBase_V1):
     >= 1 (numpy's too; or :meth:`from_kv_offloading_size`); its tensors are allocated when an
     engine registers its caches, once the engine has checked them against the host's memory
     (as it checks ``kv_offloading_size``). ``load_async``: a bool. Needs V1's hash prefix
-    cache (its block hashes are the tier's keys)."""
+    cache (its block hashes are the tier's keys). ``offload_prompt_only``: a bool, True by
+    default (vLLM's): store prompt blocks only; False stores blocks of generated tokens too."""
 
-    def __init__(self, num_cpu_blocks: int, *, load_async: bool = False) -> None:
+    def __init__(self, num_cpu_blocks: int, *, load_async: bool = False,
+                 offload_prompt_only: bool = True) -> None:
         if not is_int(num_cpu_blocks) or num_cpu_blocks < 1:
             raise ValueError(f"num_cpu_blocks must be an int >= 1, got {num_cpu_blocks!r:.60}")
         if not isinstance(load_async, (bool, np.bool_)):
             raise ValueError(f"load_async must be a bool, got {load_async!r:.60}")
+        if not isinstance(offload_prompt_only, (bool, np.bool_)):
+            raise ValueError(f"offload_prompt_only must be a bool, got "
+                             f"{offload_prompt_only!r:.60}")
         super().__init__(KVConnectorRole.SCHEDULER)
+        self.offload_prompt_only = bool(offload_prompt_only)
         self.cpu_pool = CPUBlockPool(int(num_cpu_blocks))
         self.load_async = bool(load_async)
         self.block_size = 0                       # the manager's, once bound
@@ -178,6 +219,8 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self._lookup: dict[int, int] = {}          # seq_id -> its local hit (tokens)
         self._loads: list[tuple[int, int]] = []
         self._async_seq_ids: list[int] = []
+        self._next_stored: dict[int, int] = {}     # seq_id -> first block its stores offer
+        #                               (vLLM's next_stored_chunk_idx; per live sequence)
         # worker side
         self._finished_recving: set[int] = set()
         # counters (reports, and the tests' figures)
@@ -224,7 +267,8 @@ class CPUOffloadConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         """The full blocks right after the GPU hit that the tier holds, at most up to
-        ``len(seq) - 1`` tokens (the block hashes were computed by the GPU lookup)."""
+        ``len(seq) - 1`` tokens (the block hashes were computed by the GPU lookup; "one token
+        short" in the module docstring); the sequence's store offer restarts at block 0."""
         bs, hashes = self.block_size, self._hashes(seq)
         first, last = num_computed_tokens // bs, (len(seq) - 1) // bs
         n = 0
@@ -233,6 +277,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
                 break
             n += 1
         self._lookup[seq.seq_id] = num_computed_tokens
+        self._next_stored[seq.seq_id] = 0          # the offer restarts at block 0 (docstring)
         return n * bs, self.load_async and n > 0
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: SequenceABC[int],
@@ -251,22 +296,33 @@ class CPUOffloadConnector(KVConnectorBase_V1):
                                    "get_num_new_matched_tokens and update_state_after_alloc")
             pool.touch(hashes[i])
             self._loads.append((cpu, block_ids[i]))
+        self._next_stored[seq.seq_id] = first + num_external_tokens // bs   # not stored again
         self.num_hit_tokens += num_external_tokens
         self.num_loaded_blocks += num_external_tokens // bs
         if self.load_async:
             self._async_seq_ids.append(seq.seq_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
-        """This step's loads, and a store for each full block the step computes whose hash
-        the tier lacks (evicting its least recently used blocks, never one this step loads
-        from or stores into); resets the per-step state."""
+        """This step's loads, and a store for each full block offered whose hash the tier
+        lacks (evicting its least recently used blocks, never one this step loads from or
+        stores into); resets the per-step state. A scheduled sequence offers its full blocks
+        from where its offer stands (block 0 at admission, past the blocks it loaded; for a
+        sequence the tier was never asked about, the first block this step computes) to the
+        last one full after this step, prompt blocks only unless ``offload_prompt_only`` is
+        False (module docstring)."""
         bs, pool = self.block_size, self.cpu_pool
         pinned = {cpu for cpu, _ in self._loads}
         stores, seen = [], set()
         for e in scheduler_output.scheduled:
             ctx = e.seq.num_computed_tokens                 # before update() advances it
             hashes = self._hashes(e.seq)
-            for i in range(ctx // bs, (ctx + e.num_tokens) // bs):
+            end = ctx + e.num_tokens
+            if self.offload_prompt_only:
+                end = min(end, len(e.seq.prompt_token_ids))
+            start = self._next_stored.get(e.seq.seq_id, ctx // bs)
+            if end // bs > start:
+                self._next_stored[e.seq.seq_id] = end // bs
+            for i in range(start, end // bs):
                 h = hashes[i]
                 if h in seen:
                     continue
@@ -284,6 +340,13 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         meta = CPUOffloadMetadata(self._loads, self._async_seq_ids, stores)
         self._loads, self._async_seq_ids, self._lookup = [], [], {}
         return meta
+
+    def request_finished(self, seq: Sequence, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the sequence's offer; its blocks are free at once (every copy is done within
+        its step)."""
+        self._next_stored.pop(seq.seq_id, None)
+        return False, None
 
     # --------------------------------------------------------------- worker side
     def start_load_kv(self, **kwargs: Any) -> None:
@@ -335,6 +398,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         super().reset_cache()
         self.cpu_pool.reset()
         self._lookup, self._loads, self._async_seq_ids = {}, [], []
+        self._next_stored = {}
         self._finished_recving = set()
 
     def check_invariants(self) -> None:

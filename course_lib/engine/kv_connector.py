@@ -22,13 +22,27 @@ different processes and talk only through a piece of plain data per step:
      blocks are freed: ``True`` keeps them until the worker reports the transfer done.
 
 * **Worker side** (``KVConnectorRole.WORKER``), called by the model runner around the
-  forward: :meth:`~KVConnectorBase_V1.bind_connector_metadata`,
-  :meth:`~KVConnectorBase_V1.start_load_kv`, per layer
-  :meth:`~KVConnectorBase_V1.wait_for_layer_load` (before the layer's attention reads its
-  cache) and :meth:`~KVConnectorBase_V1.save_kv_layer` (after it wrote it),
-  :meth:`~KVConnectorBase_V1.wait_for_save`, and :meth:`~KVConnectorBase_V1.get_finished`
-  (the requests whose asynchronous loads or saves completed), which the engine hands back to
-  the scheduler (``SchedulerV1.update_from_kv_xfer_finished``).
+  forward. vLLM 0.33.0's order (``ActiveKVConnector.pre_forward`` / ``post_forward`` in
+  ``vllm/v1/worker/gpu/kv_connector.py``; ``_get_kv_connector_output`` in
+  ``vllm/v1/worker/kv_connector_model_runner_mixin.py`` for the older runner, whose
+  ``gpu_model_runner.py`` calls ``handle_preemptions`` itself):
+
+  1. ``handle_preemptions`` (the blocks of preempted requests, before they are overwritten);
+  2. :meth:`~KVConnectorBase_V1.bind_connector_metadata`;
+  3. :meth:`~KVConnectorBase_V1.start_load_kv`, before the forward only if the step has
+     synchronous loads (``SchedulerOutput.has_sync_kv_loads``), otherwise right after the
+     forward is launched (its submission cost off the critical path);
+  4. inside each attention layer, :meth:`~KVConnectorBase_V1.wait_for_layer_load` (before the
+     layer's attention reads its cache) and :meth:`~KVConnectorBase_V1.save_kv_layer` (after
+     it wrote it);
+  5. :meth:`~KVConnectorBase_V1.wait_for_save`;
+  6. :meth:`~KVConnectorBase_V1.get_finished` (through ``get_transfer_results``: the requests
+     whose asynchronous loads or saves completed), then
+     :meth:`~KVConnectorBase_V1.get_block_ids_with_load_errors`;
+  7. :meth:`~KVConnectorBase_V1.clear_connector_metadata`, last.
+
+  What 6 reports goes back with the runner's output, and the scheduler applies it
+  (``_update_from_kv_xfer_finished``; here ``SchedulerV1.update_from_kv_xfer_finished``).
 
 What the course changes, and why:
 
@@ -38,6 +52,16 @@ What the course changes, and why:
   for the step, never the scheduler side's fields.
 * **Requests are sequences.** vLLM passes a ``Request`` and string request ids; a V1
   request here is one :class:`~course_lib.sequence.Sequence`, named by its ``seq_id``.
+* **The worker side's order.** The course's engine binds the metadata, runs the forward
+  (``ModelRunner.execute_model``: ``start_load_kv`` and every layer's
+  ``wait_for_layer_load`` before it, every ``save_kv_layer`` and ``wait_for_save`` after it),
+  clears the metadata, applies the step's samples (``SchedulerV1.update``), and only then asks
+  :meth:`~KVConnectorBase_V1.get_finished` and
+  :meth:`~KVConnectorBase_V1.get_block_ids_with_load_errors` (``LLMEngine._step``): vLLM asks
+  those two before ``clear_connector_metadata``. No answer changes: neither call reads the
+  metadata. ``start_load_kv`` always comes before the forward (the copies run inside the
+  step, never beside it), and there is no ``handle_preemptions``: the course's connectors copy
+  a step's stores within that step, so no block is reused before it is saved.
 * **Layers by index.** vLLM names layers (``"model.layers.0.self_attn.attn"``); the course's
   tiny Llama has a list of layers and one ``(key_cache, value_cache)`` pair per layer, so a
   layer is its index. vLLM calls ``wait_for_layer_load`` / ``save_kv_layer`` from inside

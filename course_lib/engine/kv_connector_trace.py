@@ -18,6 +18,13 @@ Which side calls what (vLLM 0.33.0's ``vllm/distributed/kv_transfer/kv_connector
   ``clear_connector_metadata``; after ``update()``: ``get_finished``, whose answer the engine
   hands back to the scheduler (``update_from_kv_xfer_finished``).
 
+That is the course's order, which the record shows; vLLM 0.33.0's worker side differs where
+:mod:`course_lib.engine.kv_connector` declares it: ``handle_preemptions`` first,
+``start_load_kv`` after the forward is launched unless the step has synchronous loads, the
+per-layer calls from inside each attention layer, and ``get_finished`` /
+``get_block_ids_with_load_errors`` before ``clear_connector_metadata``
+(``vllm/v1/worker/gpu/kv_connector.py``). The scheduler side's order is vLLM's.
+
 The step number counts ``get_finished`` calls: the engine makes one at the end of every step,
 so the calls between two of them are one step's. A step that fails keeps the calls it made,
 and the recovery's ``reset_cache`` (recorded on the scheduler side, as vLLM's scheduler calls

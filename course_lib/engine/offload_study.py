@@ -138,7 +138,8 @@ class OffloadRow(NamedTuple):
 def make_engine(model: TinyLlama, gpu_blocks: int, *,
                 tier: int | CPUOffloadConnector | None = None, swap_blocks: int = 0,
                 max_num_seqs: int = 4, max_num_batched_tokens: int = 64,
-                clock: Callable[[], float] | None = None) -> LLMEngine:
+                clock: Callable[[], float] | None = None,
+                offload_prompt_only: bool = True) -> LLMEngine:
     """An engine of ``gpu_blocks`` blocks of :data:`BLOCK_SIZE` tokens, its prefix cache on, no
     watermark, no stop token (every answer has ``max_tokens`` tokens):
 
@@ -147,12 +148,14 @@ def make_engine(model: TinyLlama, gpu_blocks: int, *,
       when it is a connector (chapter 13's ``TracingConnector``);
     * V0 with ``swap_blocks`` of swap space and swap preemption (``swap_blocks`` > 0).
 
-    ``clock``: the engine's (TTFT's), ``time.perf_counter`` by default."""
+    ``clock``: the engine's (TTFT's), ``time.perf_counter`` by default.
+    ``offload_prompt_only``: for a tier given as a number of blocks, the tier's option (True,
+    vLLM's default: prompt blocks only; False: generated blocks too)."""
     if isinstance(tier, int) and not isinstance(tier, bool):
         if tier < 1:
             raise ValueError(f"tier must be a number of CPU blocks >= 1 (None: no tier), "
                              f"got {tier}")
-        tier = CPUOffloadConnector(tier)
+        tier = CPUOffloadConnector(tier, offload_prompt_only=offload_prompt_only)
     elif tier is not None and not isinstance(tier, CPUOffloadConnector):
         raise ValueError(f"tier must be None, a number of CPU blocks or a "
                          f"CPUOffloadConnector, got {tier!r}")
@@ -174,12 +177,14 @@ def make_engine(model: TinyLlama, gpu_blocks: int, *,
 
 
 def _config_engine(model: TinyLlama, config: str, gpu_blocks: int, cpu_blocks: int,
-                   clock: Callable[[], float] | None) -> LLMEngine:
+                   clock: Callable[[], float] | None, offload_prompt_only: bool = True
+                   ) -> LLMEngine:
     """:func:`make_engine` for one of :data:`CONFIGS` (checked by the caller), ``cpu_blocks``
     the tier's or the swap space's."""
     return make_engine(model, gpu_blocks, clock=clock,
                        tier=cpu_blocks if config == CONFIGS[1] else None,
-                       swap_blocks=cpu_blocks if config == CONFIGS[2] else 0)
+                       swap_blocks=cpu_blocks if config == CONFIGS[2] else 0,
+                       offload_prompt_only=offload_prompt_only)
 
 
 def _lookups(engine: LLMEngine) -> tuple[int, int, int]:
@@ -289,11 +294,11 @@ def run_workload(engine: LLMEngine, workload: OffloadWorkload, *, sampled: bool 
 # ------------------------------------------------------------------------- the measurements
 def _measure(model: TinyLlama, workload: OffloadWorkload, config: str, gpu_blocks: int,
              cpu_blocks: int, base: OffloadRow | None, base_answers: tuple | None, *,
-             sampled: bool, check: bool, clock: Callable[[], float] | None
-             ) -> tuple[OffloadRow, WorkloadRun]:
+             sampled: bool, check: bool, clock: Callable[[], float] | None,
+             offload_prompt_only: bool = True) -> tuple[OffloadRow, WorkloadRun]:
     """One run of ``workload`` through ``config``, as a row against ``base`` (the no-offload
     row at this pool size and its answers; None: this run is that reference)."""
-    engine = _config_engine(model, config, gpu_blocks, cpu_blocks, clock)
+    engine = _config_engine(model, config, gpu_blocks, cpu_blocks, clock, offload_prompt_only)
     run = run_workload(engine, workload, sampled=sampled, check=check)
     queried, gpu_hits, tier_hits = _lookups(engine)
     conn = engine.kv_connector
@@ -341,11 +346,17 @@ def compare(model: TinyLlama, workload: OffloadWorkload, gpu_blocks: int, cpu_bl
 
 def sweep(model: TinyLlama, workload: OffloadWorkload, gpu_blocks: Sequence[int],
           tier_blocks: Sequence[int], *, sampled: bool = False, check: bool = False,
-          clock: Callable[[], float] | None = None) -> list[OffloadRow]:
+          clock: Callable[[], float] | None = None,
+          offload_prompt_only: bool = True) -> list[OffloadRow]:
     """``workload`` at each GPU pool size of ``gpu_blocks``, without a tier (``cpu_blocks`` 0)
     and with a tier of each of ``tier_blocks``: one :class:`OffloadRow` per run, GPU sizes in
     the order given, the run without a tier first (each tier's prefill saved and tokens are
-    against it). The bench's sweep is one tier size; chapter 13's widget draws several."""
+    against it). The bench's sweep is one tier size; chapter 13's widget draws several.
+    ``offload_prompt_only``: the tiers' option (a bool; True, vLLM's default, stores prompt
+    blocks only, so a chat's answers are computed again at its next turn when the GPU lost
+    them; False stores them too)."""
+    if not isinstance(offload_prompt_only, bool):
+        raise ValueError(f"offload_prompt_only must be a bool, got {offload_prompt_only!r}")
     if not gpu_blocks or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
                              for n in gpu_blocks):
         raise ValueError(f"gpu_blocks must be GPU pool sizes >= 1, got {list(gpu_blocks)}")
@@ -360,5 +371,6 @@ def sweep(model: TinyLlama, workload: OffloadWorkload, gpu_blocks: Sequence[int]
         rows.append(plain)
         for cpu in tier_blocks:
             rows.append(_measure(model, workload, CONFIGS[1], n, cpu, plain, run.answers,
-                                 sampled=sampled, check=check, clock=clock)[0])
+                                 sampled=sampled, check=check, clock=clock,
+                                 offload_prompt_only=offload_prompt_only)[0])
     return rows

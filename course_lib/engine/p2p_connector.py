@@ -5,8 +5,8 @@ transfer is done or failed; the messages themselves travel by
 control on the gloo world group, the K/V on a group of the two engines alone).
 
 **The protocol is vLLM 0.33.0's NIXL connector's** (``vllm/distributed/kv_transfer/
-kv_connector/v1/nixl/``: ``pull_scheduler.py`` for the scheduler side, ``worker.py``), with
-its names:
+kv_connector/v1/nixl/``: ``pull_scheduler.py`` for the scheduler side, ``pull_worker.py``
+and ``base_worker.py`` for the transfers; ``worker.py`` only re-exports them), with its names:
 
 1. A proxy sends the request to a **prefill** engine with ``kv_transfer_params =
    {"do_remote_decode": True}`` and ``max_tokens=1``. The prefill engine computes the prompt
@@ -52,11 +52,14 @@ Failures: a transfer whose peer died fails (the transport's error), and so does 
 takes longer than ``transfer_timeout_s`` (a peer that stopped answering). A failed send frees the
 prefill side's blocks; a failed load (or a prefill side that answers that the blocks are gone)
 reports the decode side's blocks in :meth:`P2PConnector.get_block_ids_with_load_errors`, and the
-V1 scheduler computes those tokens itself (vLLM's ``kv_load_failure_policy="recompute"``).
-Blocks no decode engine asks for within ``abort_timeout_s`` are freed (vLLM's
-``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``). A decode request that ends before its read request left
-sends a release instead. Two engines whose caches differ in block size, dtype, layer count or
-head shape are refused when they connect (:meth:`P2PConnector.connect`).
+V1 scheduler computes those tokens itself (vLLM's ``kv_load_failure_policy="recompute"``;
+vLLM's default is ``"fail"``, which fails the request: ``vllm/config/kv_transfer.py``).
+Blocks no decode engine asks for within ``abort_timeout_s`` are freed (vLLM 0.33.0 bounds
+them by a lease instead: ``kv_lease_duration``, 30 s, renewed by the decode side's heartbeats,
+``nixl/base_scheduler.py``; it replaced ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``). A decode request
+that ends before its read request left sends a release instead. Two engines whose caches
+differ in block size, dtype, layer count or head shape are refused when they connect
+(:meth:`P2PConnector.connect`).
 
 **Recovery** (:meth:`P2PConnector.reset_cache`, after a failed step; the engine then rebuilds
 its KV bookkeeping empty and recomputes every unfinished request):
@@ -372,9 +375,18 @@ class P2PConnector(KVConnectorBase_V1):
         """Prefill side: a request capped by its ``max_tokens`` keeps its blocks for the
         decode engine and returns where to find them. Decode side: a request that ends while
         its load is under way drops the load (its blocks are freed now; the copy never
-        happens; a read request not sent yet becomes a release)."""
+        happens; a read request not sent yet becomes a release); one that ends before its
+        blocks were allocated (``do_remote_prefill`` still on: aborted while waiting) sends a
+        release, so that the prefill engine frees its copy at once, not after
+        ``abort_timeout_s`` (vLLM 0.33.0's ``request_finished`` in ``nixl/pull_scheduler.py``
+        adds an empty read for it, "to avoid stranding the prefill blocks")."""
         params = self._params(seq)
         if self.kv_role == "kv_consumer":
+            if params.get("do_remote_prefill") and seq.seq_id not in self._abandoned:
+                seq.kv_transfer_params = {**params, "do_remote_prefill": False}
+                self._reqs_to_recv.append(RecvSpec(seq.seq_id, int(params["remote_engine_id"]),
+                                                   int(params["remote_request_id"]), 0, []))
+                return False, None
             self._reqs_to_drop.append(seq.seq_id)
             return False, None
         if not params.get("do_remote_decode") or \

@@ -33,11 +33,15 @@ def _tier(block_hashes: Sequence[str], tier: set[str], block_size: int, num_toke
 
 
 class _Seq:
-    """The sequence as the connector reads it: ``seq_id``, ``len()``, ``num_computed_tokens``."""
+    """The sequence as the connector reads it: ``seq_id``, ``len()``, ``num_computed_tokens``,
+    ``prompt_token_ids`` (only their number is read: the tier stores prompt blocks only)."""
 
-    def __init__(self, num_tokens: int, num_computed_tokens: int = 0) -> None:
+    def __init__(self, num_tokens: int, num_computed_tokens: int = 0,
+                 num_prompt_tokens: int | None = None) -> None:
         self.seq_id, self.num_tokens = 0, num_tokens
         self.num_computed_tokens = num_computed_tokens
+        self.prompt_token_ids = (0,) * (num_tokens if num_prompt_tokens is None
+                                        else num_prompt_tokens)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -53,10 +57,13 @@ def blocks_to_store(block_hashes: Sequence[str], tier: set[str], num_computed_to
                     num_new_tokens: int, block_size: int) -> list[int]:
     """Reference: the blocks (indices into the sequence's table) the tier stores after a step
     that computes ``num_new_tokens`` tokens from ``num_computed_tokens`` on: the library's
-    ``build_connector_meta`` for one scheduled sequence whose block ``i`` is GPU block ``i``."""
+    ``build_connector_meta`` for one scheduled sequence whose block ``i`` is GPU block ``i``,
+    admitted in an earlier step (its offer stands at the step's first block), whose prompt's
+    full blocks are ``block_hashes`` (the tier stores prompt blocks only)."""
     num_tokens = num_computed_tokens + num_new_tokens
     conn, _ = _tier(block_hashes, tier, block_size, num_tokens)
-    entry = SimpleNamespace(seq=_Seq(num_tokens, num_computed_tokens),
+    entry = SimpleNamespace(seq=_Seq(num_tokens, num_computed_tokens,
+                                     len(block_hashes) * block_size),
                             num_tokens=num_new_tokens,
                             block_ids=list(range(-(-num_tokens // block_size))))
     meta = conn.build_connector_meta(SimpleNamespace(scheduled=[entry]))
@@ -68,14 +75,17 @@ def _store_cases() -> list[tuple]:
              (_letters(4), set(), 8, 8, 4),             # only what this step computed
              (_letters(3), set(), 6, 6, 4),             # block 1 began last step, ends now
              (_letters(4), {"b"}, 0, 16, 4),            # b is held; c and d are stored
-             (_letters(3), set(), 11, 1, 4),            # a decode token completes block 2
+             (_letters(3), set(), 11, 1, 4),            # one token completes block 2
              (_letters(2), set(), 9, 2, 4),             # nothing completes
-             (_letters(3), {"a", "b", "c"}, 0, 13, 4)]  # all held: nothing to store
+             (_letters(3), {"a", "b", "c"}, 0, 13, 4),  # all held: nothing to store
+             (_letters(2), set(), 6, 6, 4),             # block 2 is generated: not stored
+             (_letters(2), set(), 12, 4, 4)]            # decoding: nothing stored
     rng = random.Random(131)
     for _ in range(30):
         bs = rng.choice([2, 4, 8])
         ctx, n = rng.randrange(0, 40), rng.randrange(1, 24)
-        hashes = _letters((ctx + n) // bs + rng.randrange(3))   # a chunk of a longer prompt
+        # a chunk of a longer prompt, or (fewer hashes) a step past the prompt's end
+        hashes = _letters(max(0, (ctx + n) // bs + rng.randrange(-2, 3)))
         tier = {h for h in hashes if rng.random() < 0.3}
         cases.append((hashes, tier, ctx, n, bs))
     return cases
@@ -94,9 +104,9 @@ def check_blocks_to_store(fn: Callable[..., list[int]]) -> Verdict:
         want = blocks_to_store(*case)
         if isinstance(got, list | tuple) and list(got) == want:
             return None
-        end = (ctx + n) // bs
-        why = (f"the full blocks this step completes are {ctx // bs}..{end - 1}"
-               if end > ctx // bs else "this step completes no block")
+        end = min((ctx + n) // bs, len(hashes))
+        why = (f"the full prompt blocks this step completes are {ctx // bs}..{end - 1}"
+               if end > ctx // bs else "this step completes no prompt block")
         return (f"{_store_text(case)}: yours {got!r}, the library stores {want} ({why}; "
                 f"skip those the tier holds)")
 
@@ -108,6 +118,12 @@ def _stores_partial(block_hashes, tier, ctx, n, bs):
     end = -(-(ctx + n) // bs)
     return [i for i in range(ctx // bs, min(end, len(block_hashes)))
             if block_hashes[i] not in tier]
+
+
+def _stores_generated(block_hashes, tier, ctx, n, bs):
+    """Wrong: stores the blocks of generated tokens too (past the prompt's hashes)."""
+    return [i for i in range(ctx // bs, (ctx + n) // bs)
+            if i >= len(block_hashes) or block_hashes[i] not in tier]
 
 
 def _stores_from_start(block_hashes, tier, ctx, n, bs):
@@ -306,7 +322,8 @@ EXERCISES = Exercises(
         "earlier step: integer division), the last the one before the block left partial: "
         "range(num_computed_tokens // block_size, (num_computed_tokens + num_new_tokens) // "
         "block_size).",
-        "Of those, leave out the ones whose hash the tier already holds, and go on past them: "
+        "Of those, keep the prompt's (the blocks block_hashes names: generated tokens are not "
+        "stored), leave out the ones whose hash the tier already holds, and go on past them: "
         "a store copies each block on its own.",
     ), solution=solutions.blocks_to_store, rules=(
         Rule("only full blocks are stored",
@@ -316,6 +333,8 @@ EXERCISES = Exercises(
              "hashes ['a', 'b', 'c', 'd'], tier holds [], tokens 8..15", _stores_from_start),
         Rule("a block that began in an earlier step and is completed by this one is stored",
              "hashes ['a', 'b', 'c'], tier holds [], tokens 6..11", _skips_begun_block),
+        Rule("only prompt blocks are stored: a block past the prompt's hashes is not",
+             "hashes ['a', 'b'], tier holds [], tokens 6..11", _stores_generated),
         Rule("a block the tier holds is not stored again",
              "hashes ['a', 'b', 'c', 'd'], tier holds ['b'], tokens 0..15", _stores_held),
         Rule("the blocks after a held one are still stored",
@@ -323,15 +342,19 @@ EXERCISES = Exercises(
     ), trivial=(lambda *a: None, lambda *a: []), compare_with=(
         "CPUOffloadConnector.build_connector_meta in course_lib/engine/cpu_offload.py, then "
         "vLLM 0.33.0's _build_store_jobs in "
-        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py")),
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py (its offer "
+        "starts at next_stored_chunk_idx; _calc_num_offloadable_tokens keeps it to the prompt "
+        "under offload_prompt_only, the default)")),
     Exercise("13.2", "num_new_matched_tokens", check_num_new_matched_tokens, hints=(
         "The GPU found gpu_hit_tokens (whole blocks); the tier is asked about the blocks that "
         "come right after them, starting with block gpu_hit_tokens // block_size.",
         "Walk those blocks while the tier holds their hash, and stop at the first it does not "
         "hold: a prefix cannot skip a block.",
-        "Never report the block of the last token (token num_tokens - 1): it is computed, for "
-        "the logits. So stop before block (num_tokens - 1) // block_size, and answer in "
-        "tokens: blocks times block_size.",
+        "Never report the block of the last token (token num_tokens - 1): the course's tier "
+        "leaves it to be computed, for the logits (as vLLM 0.33.0's SimpleCPUOffloadScheduler "
+        "does; its OffloadingConnector may report it, and the scheduler computes that token "
+        "again). So stop before block (num_tokens - 1) // block_size, and answer in tokens: "
+        "blocks times block_size.",
     ), solution=solutions.num_new_matched_tokens, rules=(
         Rule("the answer is in tokens", "17 tokens, hashes ['a', 'b', 'c', 'd'], tier holds "
              "['a', 'b', 'c', 'd'], GPU hit 0", _counts_blocks),
@@ -344,7 +367,11 @@ EXERCISES = Exercises(
     ), trivial=(lambda *a: None, lambda *a: 0), compare_with=(
         "CPUOffloadConnector.get_num_new_matched_tokens in course_lib/engine/cpu_offload.py, "
         "then vLLM 0.33.0's SimpleCPUOffloadScheduler.get_num_new_matched_tokens in "
-        "vllm/v1/simple_kv_offload/manager.py")),
+        "vllm/v1/simple_kv_offload/manager.py (max_hit_len = request.num_tokens - 1 - "
+        "num_computed_tokens: the same rule), and OffloadingConnectorScheduler's "
+        "_lookup_complete_chunks in "
+        "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py, which may "
+        "report the whole prompt")),
     Exercise("13.3", "first_forward_done", check_first_forward_done, hints=(
         "Two clocks: the link's, on which the layers arrive one after another in `order`, "
         "and the forward's, which runs layers 0, 1, 2, ... in turn.",

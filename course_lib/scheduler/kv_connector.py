@@ -55,9 +55,10 @@ class KVConnectorScheduler(ABC):
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         """Tokens of ``seq`` past its ``num_computed_tokens`` local hit that the connector can
-        supply, and whether they load asynchronously (between steps; ``False`` when 0). At
-        most ``len(seq) - 1`` tokens in all (the last one is computed, for the logits); full
-        blocks only. ``None``: not known yet, ask again next step."""
+        supply, and whether they load asynchronously (between steps; ``False`` when 0); full
+        blocks only. It may reach the whole prompt, as vLLM 0.33.0's NIXL decode side and
+        offloading connector may: the scheduler then computes the last token again, for the
+        logits. ``None``: not known yet, ask again next step (this sequence alone waits)."""
 
     @abstractmethod
     def update_state_after_alloc(self, seq: Sequence, block_ids: SequenceABC[int],
@@ -72,9 +73,12 @@ class KVConnectorScheduler(ABC):
 
     def request_finished(self, seq: Sequence, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        """``seq`` finished, its blocks not yet freed. ``(True, ...)``: a transfer still reads
-        them; the scheduler keeps them until the worker side's ``get_finished`` names ``seq``
-        as done sending. The dict: transfer parameters for the request's output (unused)."""
+        """``seq`` finished, its blocks not yet freed; called once for every finished
+        sequence, with ``block_ids == []`` for one that never held blocks (aborted while
+        waiting: vLLM's ``_free_request`` tells the connector about every request).
+        ``(True, ...)``: a transfer still reads them; the scheduler keeps them until the
+        worker side's ``get_finished`` names ``seq`` as done sending. The dict: transfer
+        parameters for the request's output."""
         return False, None
 
     # ------------------------------------------------------------------ recovery

@@ -23,17 +23,54 @@ takes the same ``update``, and keeps its queues of sequences in ``waiting`` and 
 
 **With a KV connector** (``kv_connector``: :mod:`course_lib.scheduler.kv_connector` is the part the
 scheduler calls, :mod:`course_lib.engine.kv_connector` the whole interface; None: none of
-this happens), as vLLM 0.33.0's scheduler: after the local prefix-cache hit of a waiting
+this happens), as vLLM 0.33.0's scheduler (``Scheduler.schedule`` in
+``vllm/v1/core/sched/scheduler.py``): after the local prefix-cache hit of a waiting
 sequence, the connector is asked for more (``get_num_new_matched_tokens``); blocks are
 allocated for those external tokens too (they count as computed, not against the token
-budget) and the connector told which (``update_state_after_alloc``). A sequence whose external
-tokens load asynchronously waits in ``waiting_for_remote`` (status
-``WAITING_FOR_REMOTE_KVS``; vLLM 0.33.0's ``kv_holding_waiting`` queue) until the worker side
-reports the load done (``get_finished``, handed in by
-:meth:`SchedulerV1.update_from_kv_xfer_finished`); then it runs. Each
-``schedule()`` ends with ``build_connector_meta``, carried by the output. A finishing sequence's
-blocks are kept while the connector says a transfer still reads them (``request_finished``,
-through the manager's ``free_delay``), until ``get_finished`` reports it done sending.
+budget) and the connector told which (``update_state_after_alloc``). Each ``schedule()`` ends
+with ``build_connector_meta``, carried by the output. In vLLM's terms:
+
+* **Waiting for remote K/V is waiting.** A sequence whose external tokens load
+  asynchronously holds its blocks in ``waiting_for_remote`` (status
+  ``WAITING_FOR_REMOTE_KVS``; vLLM's ``kv_holding_waiting`` queue), which does not count
+  against ``max_num_seqs``, until the worker side reports the load done (``get_finished``,
+  handed in by :meth:`SchedulerV1.update_from_kv_xfer_finished`).
+* **A loaded sequence comes back through the waiting loop.** The waiting loop drains
+  ``waiting_for_remote`` before ``waiting`` (vLLM: "requests holding KV blocks are always
+  drained first"); a loaded sequence goes back to WAITING there, holding its blocks, and is
+  admitted in the same pass if the budget, ``max_num_seqs`` and the pool allow
+  (``_handle_blocked_waiting_request``, ``_update_waiting_for_remote_kv``): after the running
+  sequences, never first in line for preemption.
+* **A load that failed from its first block** (``get_block_ids_with_load_errors`` named it:
+  vLLM's ``_update_requests_with_invalid_blocks``, policy ``recompute``) frees the blocks
+  when it is reported, and the sequence is looked up again, local prefix cache and connector.
+* **``None`` skips one sequence.** A connector that does not know yet answers ``None``: that
+  sequence keeps its place and the ones behind it are admitted (vLLM's ``skip_request``).
+* **A whole-prompt answer is taken.** vLLM's NIXL decode side and its offloading connector
+  may report every prompt token; the last one is then computed again, for the logits: vLLM
+  backs ``num_computed_tokens`` off by one once an asynchronous load is done
+  (``_update_waiting_for_remote_kv``), and so does the course; loaded synchronously, vLLM
+  asserts (``num_new_tokens > 0``: its connectors never answer so) and the course backs off
+  the same way.
+* **``request_finished`` once per finished sequence,** whether it holds blocks or not (vLLM's
+  ``_free_request`` calls ``_connector_finished`` for every finished request): a sequence
+  aborted before it was admitted tells the connector at once, with no blocks. A finishing
+  sequence's blocks are kept while the connector says a transfer still reads them (through
+  the manager's ``free_delay``), until ``get_finished`` reports it done sending.
+
+* **Blocks reserved for loads in flight.** An asynchronous load is admitted only if it fits
+  in the free blocks less what every prefill in flight (a load waiting, or a prompt admitted
+  and not yet computed) still needs to hold its whole sequence (vLLM's
+  ``_inflight_prefill_reserved_blocks``, ``reserved_blocks`` in ``allocate_slots``): a load
+  holds its blocks without progress, and two must not starve each other.
+
+**What differs from vLLM 0.33.0, declared.** The reservation is checked by the scheduler
+before ``allocate_slots``, for one KV-cache group (the course's ``allocate_slots`` takes no
+``reserved_blocks``). A failed load is always recomputed: vLLM's
+default ``kv_load_failure_policy`` is ``"fail"`` (``vllm/config/kv_transfer.py``), which
+fails the request instead. A sequence aborted while its load is in flight is freed as the
+connector's ``request_finished`` says (vLLM keeps the blocks until the load reports done,
+whatever the connector answers: ``finish_requests``).
 """
 
 from __future__ import annotations
@@ -45,6 +82,7 @@ from typing import TYPE_CHECKING
 
 from ..config import CacheConfig, SchedulerConfig, config_or_default
 from ..memory.radix.kv_cache_manager import RadixKVCacheManager
+from ..memory.v1.kv_cache_interface import KVCacheGroupSpec
 from ..memory.v1.kv_cache_manager import KVCacheManager
 from ..sequence import Request, SamplingParams, Sequence, SequenceStatus
 from ..sizing.units import cdiv
@@ -64,12 +102,21 @@ class SchedulerV1:
 
     def __init__(self, scheduler_config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
-                 kv_connector: KVConnectorScheduler | None = None) -> None:
+                 kv_connector: KVConnectorScheduler | None = None,
+                 kv_cache_groups: SequenceABC[KVCacheGroupSpec] | None = None) -> None:
         self.config = config_or_default(scheduler_config, SchedulerConfig, "scheduler_config")
         self.cache_config = cc = config_or_default(cache_config, CacheConfig, "cache_config")
-        manager = RadixKVCacheManager if cc.prefix_cache == "radix" else KVCacheManager
-        self.kv_cache_manager = manager(cc.block_size, cc.num_gpu_blocks,
-                                        cc.enable_prefix_caching, cc.watermark)
+        # a hybrid model's KV-cache groups (chapter 14: TinyLlamaConfig.kv_cache_groups); None
+        # or one group: one block table a sequence, as every chapter before
+        self.hybrid = kv_cache_groups is not None and len(kv_cache_groups) > 1
+        if cc.prefix_cache == "radix":
+            assert not self.hybrid, "the radix tree has one kind of layer in this course"
+            self.kv_cache_manager = RadixKVCacheManager(
+                cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching, cc.watermark)
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                cc.block_size, cc.num_gpu_blocks, cc.enable_prefix_caching, cc.watermark,
+                kv_cache_groups=kv_cache_groups)
         self.block_manager = self.kv_cache_manager   # the name the engine and metrics read
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -84,6 +131,8 @@ class SchedulerV1:
         self.waiting_for_remote: list[Sequence] = []   # WAITING_FOR_REMOTE_KVS, blocks held
         #                               (vLLM's kv_holding_waiting; counted as waiting)
         self.finished_recving_kv_req_ids: set[int] = set()   # their loads, reported done
+        self.inflight_prefills: dict[int, Sequence] = {}   # loading, or admitted mid-prompt
+        #                               (vLLM's _inflight_prefills: their blocks are reserved)
         if kv_connector is not None:
             if cc.prefix_cache != "hash":
                 raise ValueError("a KV connector works with V1's KVCacheManager: use "
@@ -172,7 +221,8 @@ class SchedulerV1:
         return True
 
     def _finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
-        if seq in self.running:
+        was_running = seq in self.running       # (apply_samples freed its blocks already)
+        if was_running:
             self.running.remove(seq)
         elif seq in self.waiting_for_remote:
             self.waiting_for_remote.remove(seq)
@@ -182,9 +232,13 @@ class SchedulerV1:
             self.waiting.remove(seq)
         if self.kv_connector is not None:
             seq.status = status                     # request_finished is asked when it frees
+            self.finished_recving_kv_req_ids.discard(seq.seq_id)
+            if not was_running and not self.kv_cache_manager.has_seq(seq.seq_id):
+                self._connector_finished(seq, [])   # no blocks to free: asked here
         self.kv_cache_manager.forget(seq.seq_id)
         self.requests.pop(seq.seq_id, None)
         self.preempted.discard(seq.seq_id)
+        self.inflight_prefills.pop(seq.seq_id, None)
         seq.status = status
 
     # ------------------------------------------------------------------------ schedule
@@ -192,8 +246,6 @@ class SchedulerV1:
         """Pick this step's work; allocates, and preempts by recompute when short."""
         out = SchedulerOutput(self.num_steps)
         self.num_steps += 1
-        if self.finished_recving_kv_req_ids:
-            self._update_waiting_for_remote_kv()
         budget, kvm = self.config.max_num_batched_tokens, self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0:
@@ -223,12 +275,16 @@ class SchedulerV1:
                    block_ids: list[int]) -> None:
         req = self.requests[seq.seq_id]
         done = seq.num_computed_tokens + num_new == len(seq)      # it samples the next token
+        if done:                                # its prefill is over (vLLM's is_prefill_chunk)
+            self.inflight_prefills.pop(seq.seq_id, None)
         decode = done and num_new == 1 and bool(seq.output_token_ids)
+        tables = self.kv_cache_manager.get_block_tables(seq.seq_id) if self.hybrid else ()
         out.scheduled.append(ScheduledSeq(req, seq, num_new, not decode,
-                                          1 if done else 0, block_ids))
+                                          1 if done else 0, block_ids, tables))
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv_cache_manager.free(seq.seq_id)
+        self.inflight_prefills.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.status = S.WAITING
         req = self.requests[seq.seq_id]
@@ -240,21 +296,63 @@ class SchedulerV1:
 
     def _never_fits(self, seq: Sequence) -> str | None:
         kvm = self.kv_cache_manager                 # (too-long prompts never got in)
-        need = cdiv(len(seq), kvm.block_size)
-        if need > kvm.num_gpu_blocks:                # alone, no watermark holds (vLLM's rule)
+        need, pool = cdiv(len(seq), kvm.block_size), kvm.num_gpu_blocks
+        if self.hybrid:            # every group's table, at its most (a window's plateaus)
+            need = sum(g.kv_cache_spec.max_admission_blocks_per_request(
+                self.config.max_num_batched_tokens, len(seq))
+                for g in kvm.coordinator.kv_cache_config.kv_cache_groups)
+            pool = kvm.block_pool.num_usable_blocks  # (less the null block)
+        if need > pool:                              # alone, no watermark holds (vLLM's rule)
             if seq.output_token_ids:
                 return (f"cannot grow: sequence {seq.seq_id} needs {need} of the "
-                        f"{kvm.num_gpu_blocks} GPU blocks; its output stops here")
-            return f"needs {need} GPU blocks, the pool has {kvm.num_gpu_blocks}"
+                        f"{pool} GPU blocks; its output stops here")
+            return f"needs {need} GPU blocks, the pool has {pool}"
         return None
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
-        kvm = self.kv_cache_manager
-        conn = self.kv_connector
-        while self.waiting and budget > 0 and \
-                len(self.running) + len(self.waiting_for_remote) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            req = self.requests[seq.seq_id]
+        """Admit waiting sequences while the budget and ``max_num_seqs`` allow, as vLLM 0.33.0's
+        waiting loop (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``): the
+        sequences holding blocks for a connector's load (``waiting_for_remote``, vLLM's
+        ``kv_holding_waiting``) are drained first, then ``waiting``. A sequence that cannot run
+        yet (its load not reported done, or the connector's lookup answered ``None``) is
+        skipped, alone (vLLM's ``skip_request``), and keeps its place for the next step; a
+        sequence the pool cannot hold stops the admissions."""
+        skipped_holding: list[Sequence] = []
+        skipped_waiting: list[Sequence] = []
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            holding = bool(self.waiting_for_remote)
+            if not holding and not self.waiting:
+                break
+            seq = self.waiting_for_remote[0] if holding else self.waiting[0]
+            if seq.status == S.WAITING_FOR_REMOTE_KVS:
+                if seq.seq_id not in self.finished_recving_kv_req_ids:
+                    skipped_holding.append(self.waiting_for_remote.pop(0))   # still loading
+                    continue
+                self._update_waiting_for_remote_kv(seq)      # loaded: WAITING, admitted now
+            admitted = self._admit(seq, budget, out, holding)
+            if admitted is None:                             # the pool is short
+                break
+            if admitted < 0:                                 # the connector asks again later
+                skipped_waiting.append(self.waiting_for_remote.pop(0) if holding
+                                       else self.waiting.popleft())
+                continue
+            budget -= admitted
+        self.waiting_for_remote[:0] = skipped_holding
+        self.waiting.extendleft(reversed(skipped_waiting))
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput, holding: bool
+               ) -> int | None:
+        """Admit ``seq``, the head of ``waiting_for_remote`` (``holding``) or of ``waiting``:
+        the tokens it is scheduled (0 for an asynchronous load, which holds its blocks in
+        ``waiting_for_remote`` until the load is reported), -1 when the connector's lookup
+        answered ``None`` (skip it), None when it does not fit (stop admitting). A sequence
+        that never fits is finished here (0)."""
+        kvm, conn = self.kv_cache_manager, self.kv_connector
+        req = self.requests[seq.seq_id]
+        if seq.num_computed_tokens > 0:        # its K/V loaded: no lookup (vLLM's else branch)
+            hits, num_hit, num_external, load_async = [], 0, 0, False
+            num_computed = seq.num_computed_tokens
+        else:
             reason = self._never_fits(seq)
             if reason is not None:
                 status = S.FINISHED_LENGTH_CAPPED if seq.output_token_ids else S.FINISHED_IGNORED
@@ -262,26 +360,40 @@ class SchedulerV1:
                 if req.is_finished:
                     req.finish_reason, req.finish_detail = status.finish_reason, reason
                     out.ignored.append(req)
-                continue
+                return 0
             hits, num_hit = kvm.get_computed_blocks(seq.seq_id, seq.token_ids, req.cache_salt)
             num_external, load_async = 0, False
             if conn is not None:                  # external hits, after the local ones
                 num_external, load_async = conn.get_num_new_matched_tokens(seq, num_hit)
-                if num_external is None:          # the connector does not know yet
-                    break
+                if num_external is None:          # not known yet: this sequence alone waits
+                    return -1
+                load_async = load_async and num_external > 0
             num_computed = num_hit + num_external
-            num_new = 0 if load_async else len(seq) - num_computed
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            # the watermark holds only while some request runs (vLLM's has_scheduled_reqs)
-            # K/V loaded between steps: its blocks enter the cache once they are loaded
-            ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, 0, num_external + num_new,
-                                     hits, admission=bool(self.running),
-                                     delay_cache_blocks=load_async)
-            if ids is None:
-                break
+            if not load_async and num_computed == len(seq):
+                # the whole prompt from the connector, loaded now: its last token is computed
+                # again, for the logits (vLLM 0.33.0 asserts here; it backs off by one only
+                # after an asynchronous load, in _update_waiting_for_remote_kv: see the
+                # module docstring)
+                num_computed -= 1
+        num_new = 0 if load_async else len(seq) - num_computed
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if load_async and self._reserved_blocks_short(hits, num_hit + num_external):
+            return None
+        # the watermark holds only while some request runs (vLLM's has_scheduled_reqs)
+        # K/V loaded between steps: its blocks enter the cache once they are loaded
+        ids = kvm.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens,
+                                 num_computed - num_hit - seq.num_computed_tokens + num_new,
+                                 hits, admission=bool(self.running),
+                                 delay_cache_blocks=load_async)
+        if ids is None:
+            return None
+        if holding:
+            self.waiting_for_remote.pop(0)
+        else:
             self.waiting.popleft()
+        if seq.num_computed_tokens == 0:
             # vLLM counts a re-admission after a preemption apart (PrefixCacheStats.record)
             kvm.record_prefix_cache_stats(len(seq), num_hit,
                                           preempted=seq.seq_id in self.preempted)
@@ -293,11 +405,36 @@ class SchedulerV1:
             if load_async:                        # runs once the worker reports the load
                 seq.status = S.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote.append(seq)
-                continue
-            seq.status = S.RUNNING
-            self.running.append(seq)
-            self._add_entry(out, seq, num_new, ids)
-            budget -= num_new
+                self.inflight_prefills[seq.seq_id] = seq
+                return 0
+        seq.status = S.RUNNING
+        self.running.append(seq)
+        if seq.num_computed_tokens + num_new < len(seq):   # still prefilling after this step
+            self.inflight_prefills[seq.seq_id] = seq
+        self._add_entry(out, seq, num_new, ids)
+        return num_new
+
+    def _reserved_blocks_short(self, hits: list, num_tokens: int) -> bool:
+        """Whether an asynchronous load of ``num_tokens`` tokens (``hits``: its local prefix
+        hit, blocks) would take blocks the prefills in flight still need: vLLM 0.33.0 admits
+        such a load only if it fits in the free blocks less every in-flight prefill's
+        remaining blocks (``_inflight_prefill_reserved_blocks`` in
+        ``vllm/v1/core/sched/scheduler.py``, ``reserved_blocks`` in ``allocate_slots``): a
+        load holds its blocks without progress and cannot be preempted, so two of them must
+        not starve each other. The course's ``allocate_slots`` takes no reservation, so the
+        scheduler checks it first, counting as ``allocate_slots`` does (the new blocks, and
+        the hit's blocks that are free: touching them takes them from the free queue; one
+        KV-cache group)."""
+        kvm = self.kv_cache_manager
+        bs = kvm.block_size
+        reserved = 0
+        for seq_id, seq in self.inflight_prefills.items():
+            held = len(kvm.req_to_block_ids.get(seq_id, ()))
+            reserved += max(0, cdiv(min(len(seq), self.config.max_model_len), bs) - held)
+        needed = max(0, cdiv(num_tokens, bs) - len(hits)) + \
+            sum(1 for b in hits if b.ref_cnt == 0)
+        watermark = kvm.watermark_blocks if self.running else 0
+        return needed + watermark > kvm.num_free_gpu_blocks - reserved
 
     # --------------------------------------------------------------------------- update
     def update(self, out: SchedulerOutput,
@@ -325,36 +462,56 @@ class SchedulerV1:
         ``invalid_block_ids``: blocks whose load failed (the connector's
         ``get_block_ids_with_load_errors``): a sequence holding one computes again from its
         first such block (vLLM's ``_update_requests_with_invalid_blocks``, policy
-        ``recompute``)."""
+        ``recompute``; vLLM's default policy is ``"fail"``: module docstring)."""
         for seq_id in finished_sending or ():
             self.kv_cache_manager.free_delayed(seq_id)
         if invalid_block_ids:
             self._recompute_invalid_blocks(invalid_block_ids)
-        if finished_recving:
-            self.finished_recving_kv_req_ids |= finished_recving
+        if finished_recving:                    # (not those aborted meanwhile)
+            self.finished_recving_kv_req_ids |= {
+                s.seq_id for s in self.waiting_for_remote
+                if s.seq_id in finished_recving and s.status == S.WAITING_FOR_REMOTE_KVS}
 
     def _recompute_invalid_blocks(self, invalid_block_ids: set[int]) -> None:
         """Each waiting-for-remote sequence holding a block whose load failed keeps only the
         tokens before that block as computed; the rest are computed again when it runs."""
         bs, kvm = self.cache_config.block_size, self.kv_cache_manager
         for seq in self.waiting_for_remote:
+            if seq.status != S.WAITING_FOR_REMOTE_KVS:
+                continue
             ids = kvm.req_to_block_ids[seq.seq_id]
             bad = next((i for i, b in enumerate(ids) if b in invalid_block_ids), None)
             if bad is not None and bad * bs < seq.num_computed_tokens:
                 seq.num_computed_tokens = bad * bs
 
-    def _update_waiting_for_remote_kv(self) -> None:
-        """Sequences whose external K/V arrived run now: the blocks that arrived enter the
-        prefix cache (``allocate_slots`` delayed it: they held nothing yet), and their computed
-        tokens stay as set at admission, or as a failed load cut them back; the running loop
-        gives them their remaining tokens."""
-        done, kvm = self.finished_recving_kv_req_ids, self.kv_cache_manager
-        for seq in [s for s in self.waiting_for_remote if s.seq_id in done]:
+    def _update_waiting_for_remote_kv(self, seq: Sequence) -> None:
+        """``seq``'s load was reported done: it goes back to WAITING, holding its blocks, and
+        the waiting loop admits it now (vLLM 0.33.0's ``_update_waiting_for_remote_kv``,
+        called from ``_handle_blocked_waiting_request``). The blocks that arrived enter the
+        prefix cache (``allocate_slots`` delayed it: they held nothing yet), as many as its
+        computed tokens say (a failed load cut them back); a load that failed from its first
+        block frees them all, and the sequence is looked up again, local prefix cache and
+        connector. A whole prompt loaded backs off by one token: the last one is computed
+        again, for the logits."""
+        kvm = self.kv_cache_manager
+        if seq.num_computed_tokens:
             kvm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            self.waiting_for_remote.remove(seq)
-            seq.status = S.RUNNING
-            self.running.append(seq)
-        self.finished_recving_kv_req_ids = set()    # (the others were aborted meanwhile)
+        else:
+            kvm.free(seq.seq_id)                    # not finished: request_finished not asked
+        if seq.num_computed_tokens == len(seq):
+            seq.num_computed_tokens -= 1
+        self.finished_recving_kv_req_ids.discard(seq.seq_id)
+        seq.status = S.WAITING
+
+    def _connector_finished(self, seq: Sequence, block_ids: list[int]) -> bool:
+        """Tell the connector ``seq`` finished (``request_finished``, once per finished
+        sequence, whether it holds blocks or not: vLLM 0.33.0's ``_connector_finished``, called
+        by ``_free_request`` for every finished request); its transfer parameters go to the
+        request's output. True: a transfer still reads the blocks."""
+        delay, params = self.kv_connector.request_finished(seq, block_ids)
+        if params is not None:                  # for the request's output (vLLM's too)
+            self.requests[seq.seq_id].kv_transfer_output = params
+        return delay
 
     def _delay_free(self, seq_id: int, block_ids: list[int]) -> bool:
         """The manager's ``free_delay``: a finished sequence's blocks are kept when the
@@ -364,10 +521,7 @@ class SchedulerV1:
         seq = next((s for s in req.seqs if s.seq_id == seq_id), None) if req else None
         if seq is None or not seq.status.is_finished:
             return False
-        delay, params = self.kv_connector.request_finished(seq, block_ids)
-        if params is not None:                  # for the request's output (vLLM's too)
-            req.kv_transfer_output = params
-        return delay
+        return self._connector_finished(seq, block_ids)
 
     def _cache_computed(self, e: ScheduledSeq) -> None:
         """The radix design, after the step: a sequence whose step completed a block tells the
@@ -400,12 +554,21 @@ class SchedulerV1:
         for seq in self.waiting:
             assert seq.status == S.WAITING, f"seq {seq.seq_id}: {seq.status} in waiting"
             assert not kvm.has_seq(seq.seq_id), f"waiting seq {seq.seq_id} has blocks"
-        for seq in self.waiting_for_remote:
-            assert seq.status == S.WAITING_FOR_REMOTE_KVS, f"seq {seq.seq_id}: {seq.status}"
-            assert kvm.has_seq(seq.seq_id), f"seq {seq.seq_id} waits for K/V without blocks"
+        for seq in self.waiting_for_remote:     # loading, or loaded and not yet admitted
+            assert seq.status in (S.WAITING_FOR_REMOTE_KVS, S.WAITING), \
+                f"seq {seq.seq_id}: {seq.status}"
+            holds = seq.status == S.WAITING_FOR_REMOTE_KVS or seq.num_computed_tokens > 0
+            assert kvm.has_seq(seq.seq_id) == holds, \
+                f"seq {seq.seq_id} ({seq.status}, {seq.num_computed_tokens} computed): blocks " \
+                f"{kvm.has_seq(seq.seq_id)}"
         assert set(kvm.seq_ids()) == {s.seq_id for s in (*self.running,
-                                                         *self.waiting_for_remote)}, \
+                                                         *self.waiting_for_remote)
+                                      if kvm.has_seq(s.seq_id)}, \
             "block tables of sequences no queue holds"
+        assert self.finished_recving_kv_req_ids <= {
+            s.seq_id for s in self.waiting_for_remote if s.status == S.WAITING_FOR_REMOTE_KVS}
+        assert self.inflight_prefills.keys() <= {s.seq_id for s in (*self.running,
+                                                                    *self.waiting_for_remote)}
         if self.kv_connector is not None and hasattr(self.kv_connector, "check_invariants"):
             self.kv_connector.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 def blocks_to_store(block_hashes, tier, num_computed_tokens, num_new_tokens, block_size):
     # the full blocks this step completes: from the block holding its first token (it may
-    # have begun in an earlier step) up to, not including, the block left partial
+    # have begun in an earlier step) up to, not including, the block left partial; prompt
+    # blocks only (block_hashes names them: generated tokens are not stored)
     first = num_computed_tokens // block_size
-    end = (num_computed_tokens + num_new_tokens) // block_size
+    end = min((num_computed_tokens + num_new_tokens) // block_size, len(block_hashes))
     # a block the tier already holds is not copied again; the ones after it still are
     return [i for i in range(first, end) if block_hashes[i] not in tier]
 

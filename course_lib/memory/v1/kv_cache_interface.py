@@ -27,6 +27,8 @@ Left out, and said so: vLLM's other specs (``MLAAttentionSpec``, ``MambaSpec`` f
 linear-attention state, ``CrossAttentionSpec``, ``SinkFullAttentionSpec``, ``RSWASpec``,
 ``CircularBufferSpec``, the HiSparse specs, ``UniformTypeKVCacheSpecs``), DCP sharding, page
 padding, KV quantisation, and ``max_memory_usage_bytes`` (chapter 01's sizing does that).
+Kept: ``max_admission_blocks_per_request``, the most blocks one request of a group can hold
+at once, which the scheduler reads to refuse a request the pool can never hold.
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class AttentionSpec:
         """One layer's bytes for one block: K and V of ``block_size`` tokens."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        """The most blocks one request of at most ``max_model_len`` tokens holds at once, when
+        a step computes at most ``max_in_flight_tokens`` of them (vLLM 0.33.0's method of the
+        same name): every block of its tokens, for full attention."""
+        return -(-max_model_len // self.block_size)
+
 
 @dataclass(frozen=True)
 class FullAttentionSpec(AttentionSpec):
@@ -64,6 +73,15 @@ class SlidingWindowSpec(AttentionSpec):
 
     sliding_window: int = field(kw_only=True)
 
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        """The last ``sliding_window - 1`` computed tokens and a step's tokens, +1 block
+        because the window need not start at a block's start (vLLM 0.33.0), and never more
+        than the request's own blocks (``remove_skipped_blocks`` runs before each step's
+        allocation, so what a request holds plateaus here)."""
+        tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return min(-(-tokens // self.block_size) + 1, -(-max_model_len // self.block_size))
+
 
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
@@ -72,6 +90,12 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
     ``ChunkedLocalAttentionSpec``). Blocks of earlier chunks are never read again."""
 
     attention_chunk_size: int = field(kw_only=True)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        """A chunk and a step's tokens (vLLM 0.33.0), at most the request's own blocks."""
+        tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return -(-tokens // self.block_size)
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec
