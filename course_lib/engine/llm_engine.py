@@ -135,6 +135,7 @@ class LLMEngine:
         cache_config = cache_config or CacheConfig(block_size=16, num_gpu_blocks=256)
         if design not in DESIGNS:
             raise ValueError(f"design must be one of {tuple(DESIGNS)}, got {design!r}")
+        self._check_hybrid(model, cache_config, design, kv_connector)
         self._check_kv_memory(model, cache_config, design, kv_connector)
         self.design = design
         self.model = model
@@ -176,9 +177,13 @@ class LLMEngine:
     def _new_scheduler(self) -> Scheduler | SchedulerV1:
         """An empty scheduler of the engine's design, with its empty block manager (the
         constructor's, and a recovery's)."""
-        if self.kv_connector is None:
-            return DESIGNS[self.design](self.scheduler_config, self.cache_config)
-        return SchedulerV1(self.scheduler_config, self.cache_config, self.kv_connector)
+        if self.design == "v0":
+            return DESIGNS["v0"](self.scheduler_config, self.cache_config)
+        # a hybrid model's KV-cache groups (chapter 14), the runner's layout too
+        groups = self.model.config.kv_cache_groups(
+            self.cache_config.block_size, next(self.model.parameters()).element_size())
+        return SchedulerV1(self.scheduler_config, self.cache_config, self.kv_connector,
+                           kv_cache_groups=groups)
 
     @property
     def block_manager(self):
@@ -214,6 +219,27 @@ class LLMEngine:
                              "engine")
 
     @staticmethod
+    def _check_hybrid(model: TinyLlama, cache_config: CacheConfig, design: str,
+                      kv_connector: KVConnectorBase_V1 | None) -> None:
+        """A model with sliding-window layers (chapter 14) runs on V1's hash-based
+        ``KVCacheManager`` only: its KV-cache coordinator is what gives each kind of layer its
+        own block table, with the null block where a window has passed. V0's block manager,
+        the radix tree and the KV connectors (which copy whole tables) know full attention
+        only in this course."""
+        if not model.config.layer_types or set(model.config.layer_types) == {"full_attention"}:
+            return
+        why = ("design='v0'" if design != "v1" else
+               "CacheConfig(prefix_cache='radix')" if cache_config.prefix_cache == "radix" else
+               "a kv_connector" if kv_connector is not None else
+               "CacheConfig(kv_offloading_size=...)"
+               if cache_config.kv_offloading_size is not None else None)
+        if why is not None:
+            raise ValueError(f"the model has sliding-window layers (layer_types "
+                             f"{model.config.layer_types}): "
+                             f"it runs with design='v1' and the hash prefix cache, without "
+                             f"KV connectors; got {why}")
+
+    @staticmethod
     def _kv_connector(model: TinyLlama, cache_config: CacheConfig, design: str,
                       kv_connector: KVConnectorBase_V1 | None) -> KVConnectorBase_V1 | None:
         """The connector given, or the CPU offload tier ``kv_offloading_size`` asks for
@@ -235,7 +261,10 @@ class LLMEngine:
     def _block_bytes(model: TinyLlama, block_size: int) -> int:
         """Bytes of one KV block of ``model``, all layers, K and V."""
         cfg, param = model.config, next(model.parameters())
-        return (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+        # a hybrid model's groups share the tensors: a block is one group's layers
+        groups = cfg.kv_cache_groups(block_size, param.element_size())
+        num_layers = max(len(g.layer_names) for g in groups)
+        return (2 * num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                 * param.element_size())
 
     @staticmethod

@@ -15,6 +15,14 @@ The runner owns the tensors and turns their decisions into work (vLLM's ``CacheE
   positions [num_tokens]`` and :class:`~course_lib.model.attention.AttentionMetadata` built
   from the block ids each entry carries (context length = ``num_computed_tokens``). The
   runner never sees the block manager: the scheduler's output is all it needs.
+* A hybrid model (chapter 14; ``ModelConfig.layer_types``) has several KV-cache groups
+  (``kv_cache_groups``, the same ``model.config.kv_cache_groups(block_size)`` the
+  ``KVCacheManager`` is built with): each entry then carries one block table per group
+  (``ScheduledSeq.block_tables``), the metadata one block table and slot mapping per group,
+  and the tensors are laid out as vLLM lays groups over one pool, the ``i``-th layer of every
+  group on one ``(key_cache, value_cache)`` pair
+  (:func:`~course_lib.model.llama.allocate_kv_caches`): a block costs one group's layers. A
+  model of full attention only is one group of every layer: one pair per layer, one table.
 * :meth:`ModelRunner.execute_model`: the forward; returns the logits row of each entry that
   samples. With a KV connector (``kv_connector``, V1's worker side, its step's metadata bound
   by the engine): ``start_load_kv`` and every layer's ``wait_for_layer_load`` before the
@@ -58,10 +66,12 @@ class ModelRunner:
         # interpreter costs ~10 ms per token per layer just to write the cache
         self.attn = get_attn_backend(attn_impl, self.device)
         cfg = model.config
-        self.gpu_caches: list[KVCache] = allocate_kv_caches(cfg, cc.num_gpu_blocks, cc.block_size,
-                                                            self.dtype, self.device)
+        self.kv_cache_groups = groups = cfg.kv_cache_groups(cc.block_size,
+                                                            param.element_size())
+        self.gpu_caches: list[KVCache] = allocate_kv_caches(
+            cfg, cc.num_gpu_blocks, cc.block_size, self.dtype, self.device, groups)
         self.cpu_caches: list[KVCache] = (
-            allocate_kv_caches(cfg, cc.num_cpu_blocks, cc.block_size, self.dtype, "cpu")
+            allocate_kv_caches(cfg, cc.num_cpu_blocks, cc.block_size, self.dtype, "cpu", groups)
             if cc.num_cpu_blocks else [])
         self.num_swapped_blocks = 0       # out + in, for reports
         self.num_copied_blocks = 0        # copy-on-write copies
@@ -74,9 +84,11 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block over all layers, K and V."""
+        """Bytes of one block over all its layers, K and V: every layer for a model of one
+        group; a hybrid model's block is one group's layers (the pairs the groups share)."""
+        pairs = {id(k) for k, _ in self.gpu_caches}                 # distinct tensors
         k = self.gpu_caches[0][0]
-        return 2 * len(self.gpu_caches) * k[0].numel() * k.element_size()
+        return 2 * len(pairs) * k[0].numel() * k.element_size()
 
     # ------------------------------------------------------------------------ cache ops
     def execute_cache_ops(self, out: SchedulerOutput) -> None:
@@ -109,10 +121,13 @@ class ModelRunner:
 
         Entry ``e`` feeds tokens ``ctx .. ctx + e.num_tokens - 1`` of its sequence, with
         ``ctx = e.seq.num_computed_tokens`` (the scheduler's ``update`` advances it after the
-        forward); ``e.block_ids`` already covers them (allocate / append_slots)."""
+        forward); ``e.block_ids`` already covers them (allocate / append_slots), and so does
+        each of ``e.block_tables``, one per KV-cache group, for a hybrid model."""
         ids: list[int] = []
         positions: list[int] = []
-        tables, ctx_lens, q_lens = [], [], []
+        num_groups = len(self.kv_cache_groups)
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]   # [group][entry]
+        ctx_lens, q_lens = [], []
         for e in scheduled:
             ctx, q = e.seq.num_computed_tokens, e.num_tokens
             tokens = e.seq.token_ids
@@ -121,15 +136,24 @@ class ModelRunner:
                                  f"but it has {len(tokens)}")
             ids += tokens[ctx:ctx + q]
             positions += range(ctx, ctx + q)
-            if len(e.block_ids) * self.block_size < ctx + q:
-                raise ValueError(f"seq {e.seq.seq_id}: {len(e.block_ids)} blocks of "
-                                 f"{self.block_size} cannot hold tokens 0..{ctx + q - 1}")
-            tables.append(e.block_ids)
+            entry_tables = e.block_tables or (e.block_ids,)
+            if len(entry_tables) != num_groups:
+                raise ValueError(f"seq {e.seq.seq_id}: the model has {num_groups} KV-cache "
+                                 f"groups, so each entry needs one block table per group "
+                                 f"(ScheduledSeq.block_tables), got {len(entry_tables)}")
+            for g, table in enumerate(entry_tables):
+                if len(table) * self.block_size < ctx + q:
+                    group = f" (KV-cache group {g})" if g else ""
+                    raise ValueError(f"seq {e.seq.seq_id}: {len(table)} blocks of "
+                                     f"{self.block_size} cannot hold tokens 0..{ctx + q - 1}"
+                                     f"{group}")
+                tables[g].append(table)
             ctx_lens.append(ctx)
             q_lens.append(q)
         num_blocks = self.gpu_caches[0][0].shape[0] if self.gpu_caches else None
-        meta = make_attention_metadata(tables, ctx_lens, q_lens, self.block_size, self.device,
-                                       num_blocks=num_blocks)
+        meta = make_attention_metadata(tables[0], ctx_lens, q_lens, self.block_size,
+                                       self.device, num_blocks=num_blocks,
+                                       more_group_tables=tables[1:])
         return (torch.tensor(ids, dtype=torch.int64, device=self.device),
                 torch.tensor(positions, dtype=torch.int64, device=self.device), meta)
 

@@ -1,6 +1,7 @@
 """The tiny real model of the course: a Llama-style decoder over bytes, with shipped weights.
 
-* ``config``     :class:`ModelConfig` (frozen dataclass)
+* ``config``     :class:`ModelConfig` (frozen dataclass; a hybrid model's per-layer attention
+                 and KV-cache groups, chapter 14)
 * ``tokenizer``  :class:`ByteTokenizer` (256 bytes + BOS / EOS / PAD)
 * ``attention``  :class:`AttentionMetadata` and the one adapter to the paged kernels
 * ``llama``      :class:`TinyLlama`: paged ``forward`` and dense ``forward_contiguous``

@@ -16,15 +16,26 @@ Two forward paths share every weight and every op except where K/V live:
 * :meth:`TinyLlama.forward_contiguous` — the reference and training path: a rectangular batch
   ``[B, T]`` with a dense causal mask, optionally continuing a plain contiguous per-sequence
   cache (``past``), the way a textbook decoder does it.
+
+A hybrid configuration (``ModelConfig.layer_types``, chapter 14) makes some layers
+sliding-window layers: both paths give such a layer the same mask (causal, and the last
+``sliding_window`` keys only), the paged one through its KV-cache group's block tables, whose
+entries before the window may be the pool's null block. vLLM 0.33.0's gpt-oss gives its
+even layers the window, ``config.sliding_window if self.layer_idx % 2 == 0 else None``, as
+``per_layer_sliding_window`` of its ``Attention`` (``vllm/model_executor/models/gpt_oss.py``);
+the course reads each layer's type from ``layer_types`` instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from course_lib.kernels.backends import AttentionBackend, get_attn_backend
+from course_lib.memory.v1.kv_cache_interface import KVCacheGroupSpec
 from course_lib.model.attention import AttentionMetadata, paged_attention_layer
 from course_lib.model.config import ModelConfig
 
@@ -62,10 +73,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Layer ``layer``'s attention: full, or sliding-window when the config says so
+    (``sliding_window``: None or ``W``), reading its KV-cache group's block tables
+    (``kv_cache_group_id``) in the paged path."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.kv_cache_group_id = cfg.kv_cache_group_ids[layer]
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -83,7 +100,8 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         """Paged: ``x [num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         q, k, v = self._qkv(x, cos, sin)
-        out = paged_attention_layer(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, attn)
+        out = paged_attention_layer(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, attn,
+                                    self.kv_cache_group_id, self.sliding_window)
         return self.o_proj(out.flatten(-2))
 
     def forward_contiguous(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -97,11 +115,14 @@ class Attention(nn.Module):
         qh = q.transpose(1, 2)                                    # [B, H, T, d]
         kh = k.repeat_interleave(g, dim=2).transpose(1, 2)        # [B, H, S+T, d]
         vh = v.repeat_interleave(g, dim=2).transpose(1, 2)
-        t, s = q.shape[1], k.shape[1]
-        if s == t:
+        t, s, window = q.shape[1], k.shape[1], self.sliding_window
+        if s == t and window is None:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:  # query i sits at position s - t + i and sees keys 0 .. s - t + i
-            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
+            ones = torch.ones(t, s, dtype=torch.bool, device=x.device)
+            mask = ones.tril(s - t)                                   # [T, S+T]
+            if window is not None:              # ... and, windowed, only the last W of them
+                mask &= ~ones.tril(s - t - window)                    # keys j > p - W
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).flatten(-2)), (k, v)
 
@@ -120,10 +141,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
@@ -132,7 +153,7 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
 
@@ -142,6 +163,7 @@ class TinyLlama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.num_kv_cache_groups = max(cfg.kv_cache_group_ids) + 1   # 1: full attention only
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -185,7 +207,9 @@ class TinyLlama(nn.Module):
         """Paged forward of packed tokens: ``input_ids, positions [num_tokens]`` -> logits
         ``[num_tokens, vocab_size]`` (float32). Writes the new K/V into ``kv_caches`` (one
         ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size,
-        num_kv_heads, head_dim]``) at ``attn_metadata.slot_mapping``. ``impl``: a backend
+        num_kv_heads, head_dim]``) at the slots of the layer's KV-cache group
+        (``attn_metadata.group_slot_mappings``; a hybrid model's caches may be shared between
+        layers of different groups: :func:`allocate_kv_caches`). ``impl``: a backend
         resolved by ``course_lib.kernels.backends.get_attn_backend``, or its name
         (``"auto"``, ``"triton"``, ``"reference"``, ``"torch"``), resolved here once."""
         if len(kv_caches) != self.config.num_layers:
@@ -198,6 +222,11 @@ class TinyLlama(nn.Module):
         if attn_metadata.num_tokens != input_ids.shape[0]:
             raise ValueError(f"attn_metadata describes {attn_metadata.num_tokens} new tokens, "
                              f"input_ids holds {input_ids.shape[0]}")
+        if attn_metadata.num_kv_cache_groups != self.num_kv_cache_groups:
+            raise ValueError(f"the model has {self.num_kv_cache_groups} KV-cache groups "
+                             f"(config.kv_cache_groups): attn_metadata must carry one block "
+                             f"table per sequence for each, got "
+                             f"{attn_metadata.num_kv_cache_groups}")
         attn = get_attn_backend(impl, input_ids.device)
         c = self.config
         h = self.model.embed_tokens(input_ids)                      # [N, hidden]
@@ -231,12 +260,32 @@ class TinyLlama(nn.Module):
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
                        dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> list[KVCache]:
+                       device: torch.device | str = "cpu",
+                       kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None
+                       ) -> list[KVCache]:
     """One zeroed ``(key_cache, value_cache)`` pair per layer, each ``[num_blocks, block_size,
-    num_kv_heads, head_dim]`` (vLLM's layout)."""
+    num_kv_heads, head_dim]`` (vLLM's layout).
+
+    ``kv_cache_groups`` (``cfg.kv_cache_groups(block_size)``, for a hybrid model whose block
+    tables come from one pool): the pairs laid out as vLLM 0.33.0 lays its groups over one
+    allocation, the ``i``-th layer of every group on the same pair (``KVCacheTensor`` in
+    ``vllm/v1/kv_cache_interface.py``: "cache groups overlay each other, which is sound
+    because a block ID is owned by one group at a time"; built by
+    ``get_kv_cache_config_from_groups`` in ``vllm/v1/core/kv_cache_planning.py``). A block id
+    is then one page in each layer of one group, and a block costs a group's layers, not
+    every layer. Sound only for tables from one pool (``KVCacheManager``: no block id in two
+    groups at once); one group of every layer (a full-attention model) is one pair per layer,
+    as without."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, "
                          f"{block_size}")
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    if kv_cache_groups is None:
+        return [(torch.zeros(shape, dtype=dtype, device=device),
+                 torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    group_size = max(len(group.layer_names) for group in kv_cache_groups)
+    pairs = [(torch.zeros(shape, dtype=dtype, device=device),
+              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(group_size)]
+    index_in_group = {name: i for group in kv_cache_groups
+                      for i, name in enumerate(group.layer_names)}
+    return [pairs[index_in_group[name]] for name in cfg.layer_names]

@@ -28,6 +28,10 @@ class ScheduledSeq:
     block_ids: list[int]  # the sequence's block table once this step's slots are reserved;
                           # maybe the manager's own list (no copy: V0's decode, V1), so
                           # read it within the step (later steps extend it in place)
+    # a hybrid model's (chapter 14): every KV-cache group's block table, group 0's first
+    # (equal to block_ids), the null block where a window has passed
+    # (KVCacheManager.get_block_tables); empty for a model of one group: block_ids is it
+    block_tables: tuple[list[int], ...] = ()
 
 
 @dataclass
