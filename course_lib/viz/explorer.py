@@ -24,6 +24,7 @@ from course_lib.sizing.blocks import check_block_size
 from course_lib.sizing.units import cdiv, check_int
 from course_lib.viz.blocks import draw_pool_and_tables
 from course_lib.viz.readable import EXPLORER_DPI, figure_png
+from course_lib.viz.step_controls import StepControls
 
 
 @dataclass(frozen=True)
@@ -144,20 +145,13 @@ class BlockTableExplorer:
         self.scenario = scenario or default_scenario()
         self.dpi = dpi
         last = len(self.scenario.steps)
-        self.step = widgets.IntSlider(value=0, min=0, max=last, description="step",
-                                      continuous_update=False)
-        self.play = widgets.Play(value=0, min=0, max=last, interval=1500, description="play")
-        widgets.jslink((self.play, "value"), (self.step, "value"))
-        self.prev_button = widgets.Button(description="◀ prev", layout={"width": "80px"})
-        self.next_button = widgets.Button(description="next ▶", layout={"width": "80px"})
-        self.prev_button.on_click(lambda _: self.set_step(max(0, self.step.value - 1)))
-        self.next_button.on_click(lambda _: self.set_step(min(last, self.step.value + 1)))
+        self.controls = StepControls(last, self._render)
+        c = self.controls
+        self.step, self.play, self.prev_button, self.next_button = (
+            c.step, c.play, c.prev_button, c.next_button)
         self.caption = widgets.HTML()
         self.image = widgets.Image(format="png")
-        self.step.observe(lambda change: self._render(), names="value")
-        self.widget = widgets.VBox([
-            widgets.HBox([self.play, self.prev_button, self.step, self.next_button]),
-            self.caption, self.image])
+        self.widget = widgets.VBox([c.box, self.caption, self.image])
         self.run = ScenarioRun(self.scenario, 0)
         self._render()
 
@@ -166,9 +160,7 @@ class BlockTableExplorer:
         return self.run.manager
 
     def set_step(self, k: int) -> None:
-        if not 0 <= k <= self.step.max:
-            raise ValueError(f"step must be in [0, {self.step.max}], got {k}")
-        self.step.value = k     # the observer redraws (a no-op when k is already shown)
+        self.controls.set_step(k)
 
     def _render(self) -> None:
         k = self.step.value

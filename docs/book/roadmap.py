@@ -40,6 +40,7 @@ PLACES: dict[str, tuple[str, float, int, str]] = {
     "11_capstone": ("Capstone", 2, 7, "scheduling and serving"),
     "12_vllm_v1_and_sglang": ("vLLM V1\nand SGLang", 4.5, 7, "scheduling and serving"),
     "13_beyond_one_gpu": ("Beyond one\nGPU's pool", 4.5, 8, "scheduling and serving"),
+    "14_hybrid_models": ("Hybrid models", 7, 8, "the block manager"),
 }
 
 # (chapter, a chapter that builds on it); only the direct steps, what follows from two steps
@@ -61,6 +62,8 @@ EDGES: list[tuple[str, str]] = [
     ("10_serving_end_to_end", "11_capstone"),
     ("10_serving_end_to_end", "12_vllm_v1_and_sglang"),
     ("12_vllm_v1_and_sglang", "13_beyond_one_gpu"),
+    ("08_capacity_planning", "14_hybrid_models"),
+    ("12_vllm_v1_and_sglang", "14_hybrid_models"),
 ]
 
 BOX_W, BOX_H = 1.8, 0.72

@@ -46,6 +46,15 @@ SCENARIOS: dict[str, list[Step]] = {
            Step("submit", names_choice_of="prompt"),
            Step("finish oldest"),
            Step("reset prefix cache")],
+    # Hybrid block tables (14): the same step controls as chapter 03's explorer, so the same
+    # start from step 0 (prev at step 0 would change nothing).
+    "14": [Step("step", "home", expect=None),
+           Step("next", moves=("step", 1)),
+           Step("next", moves=("step", 1)),
+           Step("prev", moves=("step", -1)),
+           Step("step", "up", moves=("step", 1)),
+           Step("play"),
+           Step("play", "stop")],
 }
 
 
