@@ -113,8 +113,9 @@ def records_of_step(scheduler: Scheduler | SchedulerV1, out: SchedulerOutput,
                     ) -> dict[int, RequestRecord]:
     """The records a completed step commits: the requests it ran or preempted, and (V1 with a
     KV connector) those whose K/V it is loading (``waiting_for_remote``, which, as vLLM's
-    ``kv_holding_waiting``, does not count against ``max_num_seqs``): the only ones whose sequences, tokens, computed tokens or transfer
-    parameters a step changes (``requests``: the engine's, by id); less those it finished."""
+    ``kv_holding_waiting``, does not count against ``max_num_seqs``): the only ones whose
+    sequences, tokens, computed tokens or transfer parameters a step changes (``requests``:
+    the engine's, by id); less those it finished."""
     done = {r.request_id for r in finished}
     reqs = {e.request.request_id: e.request for e in out.scheduled}
     reqs.update((rid, requests[rid]) for rid, _ in out.preempted if rid in requests)
