@@ -14,6 +14,9 @@ coordinator costs.
    microseconds per ``allocate_slots`` (median of interleaved rounds, its range) and the ratio
    to one group (and per group), and the most blocks held at once beside the same groups with
    every layer full attention. Prefix caching on, 32 requests live.
+3. **vLLM 0.33.0's own manager** on the same trace and calls (when its sources are in the
+   fidelity cache): the same ratios, to tell the course's cost of more groups from the
+   design's.
 
     python bench/hybrid.py            # 400 requests, 5 rounds
     python bench/hybrid.py --quick    # 40 requests, 1 round (a smoke run)
@@ -128,6 +131,97 @@ def run_trace(kind: str, trace: list[tuple[list[int], int]], windows: bool = Tru
     return spent, calls, peak
 
 
+def run_trace_vllm(kind: str, trace: list[tuple[list[int], int]], vllm,
+                   live: int = 32, chunk: int = 512) -> tuple[float, int]:
+    """The same trace, driven the same way, through vLLM 0.33.0's own ``KVCacheManager``
+    (unitary or hybrid coordinator, imported from the released sources by
+    ``tests/fidelity/upstream.py``): (seconds in ``allocate_slots`` and in the request's
+    hashing of each new token, which the course does inside ``allocate_slots``; its calls)."""
+    from peers import _vllm_request
+
+    utils, iface = vllm.kv_cache_utils, vllm.kv_cache_interface
+    hash_fn = vllm.hashing.get_hash_fn_by_name("sha256")
+    utils.init_none_hash(hash_fn)
+    hasher = utils.get_request_block_hasher(BLOCK, hash_fn)
+    shape = {"block_size": BLOCK, "num_kv_heads": 1, "head_size": 1, "dtype": "float32"}
+    groups = [iface.KVCacheGroupSpec(
+        list(g.layer_names),
+        iface.SlidingWindowSpec(**shape, sliding_window=g.kv_cache_spec.sliding_window)
+        if isinstance(g.kv_cache_spec, SlidingWindowSpec) else iface.FullAttentionSpec(**shape))
+        for g in groups_of(kind)]
+    m = vllm.kv_cache_manager.KVCacheManager(
+        iface.KVCacheConfig(num_blocks=65_537, kv_cache_tensors=[], kv_cache_groups=groups),
+        max_model_len=1 << 20, scheduler_block_size=BLOCK, hash_block_size=BLOCK,
+        enable_caching=True, log_stats=False)
+    status = vllm.kv_cache_manager.RequestStatus
+    waiting = list(enumerate(trace))
+    running: dict[int, list] = {}            # seq -> [request, computed, outputs left]
+    spent, calls = 0.0, 0
+    clock = time.perf_counter
+    while waiting or running:
+        while waiting and len(running) < live:
+            seq, (prompt, outputs) = waiting.pop(0)
+            req = _vllm_request(str(seq), list(prompt), hasher, status.WAITING)
+            blocks, num_hit, _ = m.get_computed_blocks(req)
+            first = min(chunk, len(prompt) - num_hit)
+            t = clock()
+            out = m.allocate_slots(req, first, num_hit, blocks)
+            spent, calls = spent + clock() - t, calls + 1
+            assert out is not None, "the pool is sized for the trace"
+            req.status = status.RUNNING
+            running[seq] = [req, num_hit + first, outputs]
+        for seq in list(running):
+            req, computed, left = running[seq]
+            req.num_computed_tokens = computed
+            t = clock()
+            if computed < req.num_tokens:        # the prompt's next chunk
+                n = min(chunk, req.num_tokens - computed)
+            else:                                # a decode step: the token sampled joins
+                if left == 0:
+                    m.free(req)                  # (not timed, as in run_trace)
+                    del running[seq]
+                    continue
+                req.append_output_token_ids(seq % 30_000 + 1)
+                running[seq][2] = left - 1
+                n = 1
+            out = m.allocate_slots(req, n)
+            spent, calls = spent + clock() - t, calls + 1
+            assert out is not None, "the pool is sized for the trace"
+            running[seq][1] = computed + n
+    return spent, calls
+
+
+def section_vllm(n: int, rounds: int) -> None:
+    """Section 3: vLLM 0.33.0's own manager on the same trace, when its sources are in the
+    fidelity cache (``make test-fidelity`` or ``python tests/fidelity/fetch.py`` fetches
+    them): is the cost of more groups the course's, or the design's?"""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peers import _fidelity
+
+    upstream, root = _fidelity("vllm-0.33.0")
+    if upstream is None:
+        print(f"\n3. vLLM 0.33.0's own KVCacheManager: {root}")
+        return
+    vllm = upstream.load_vllm(root)
+    trace = make_trace(n)
+    print(f"\n3. vLLM 0.33.0's own KVCacheManager on the same trace and calls (its block "
+          f"hashing per new token counted, as the course's allocate_slots does it); "
+          f"{rounds} interleaved round(s)")
+    per_call: dict[str, list[float]] = {k: [] for k in KINDS}
+    for _ in range(rounds):
+        for kind in KINDS:
+            spent, calls = run_trace_vllm(kind, trace, vllm)
+            per_call[kind].append(spent / calls * 1e6)
+    base = statistics.median(per_call["one group"])
+    print(f"  {'manager':20} {'allocate_slots':>15} {'range':>15} {'x one group':>12} "
+          f"{'per group':>10}")
+    for kind in KINDS:
+        us = per_call[kind]
+        med = statistics.median(us)
+        print(f"  {kind:20} {med:>12.2f} us {min(us):>6.2f}-{max(us):<6.2f} "
+              f"{med / base:>11.2f}x {med / base / len(groups_of(kind)):>9.2f}x")
+
+
 def section_manager(n: int, rounds: int) -> None:
     trace = make_trace(n)
     print(f"\n2. The manager on a trace: {n} requests (8 shared 512-token prefixes + 32-2,048 "
@@ -165,6 +259,7 @@ def main() -> None:
     print(f"bench/hybrid.py on {describe()}")
     section_capacity()
     section_manager(n, rounds)
+    section_vllm(n, rounds)
 
 
 if __name__ == "__main__":

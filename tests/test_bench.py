@@ -109,12 +109,15 @@ def test_disagg_bench_runs_quick():
 def test_hybrid_bench_runs_quick():
     """Capacity for every hybrid preset at 4K / 32K / 128K, and the trace through one group,
     gpt-oss's two and Gemma 3's seven: the windowed groups hold fewer blocks at their peak
-    than the same groups all full attention (a count, not a timing)."""
+    than the same groups all full attention (a count, not a timing); then vLLM's own manager
+    on the same trace where the fidelity cache holds its sources (else a line says so)."""
     out = subprocess.run([sys.executable, "bench/hybrid.py", "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, check=True).stdout
     for model in ("gpt-oss-20b", "gpt-oss-120b", "Gemma-3-27B", "Qwen3-Next-80B-A3B"):
         assert out.count(f"  {model} ") == 3, out
-    rows = {line.split("  ")[1].strip(): line.split() for line in out.splitlines()
+    section2, section3 = out.split("\n2. ")[1].split("\n3. ")
+    assert section3.startswith("vLLM 0.33.0's own KVCacheManager"), out    # run, or skipped
+    rows = {line.split("  ")[1].strip(): line.split() for line in section2.splitlines()
             if line.startswith(("  one group", "  gpt-oss (", "  gemma-3 ("))}
     assert set(rows) == {"one group", "gpt-oss (2 groups)", "gemma-3 (7 groups)"}, out
     assert rows["one group"][-1] == rows["one group"][-2], out       # nothing to free
