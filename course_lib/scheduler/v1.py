@@ -46,6 +46,8 @@ with ``build_connector_meta``, carried by the output. In vLLM's terms:
   when it is reported, and the sequence is looked up again, local prefix cache and connector.
 * **``None`` skips one sequence.** A connector that does not know yet answers ``None``: that
   sequence keeps its place and the ones behind it are admitted (vLLM's ``skip_request``).
+  The sequences a pass skips, and those whose load it starts, go back to the front of their
+  queue in the order it visited them.
 * **A whole-prompt answer is taken.** vLLM's NIXL decode side and its offloading connector
   may report every prompt token; the last one is then computed again, for the logits: vLLM
   backs ``num_computed_tokens`` off by one once an asynchronous load is done
@@ -54,7 +56,9 @@ with ``build_connector_meta``, carried by the output. In vLLM's terms:
   the same way.
 * **``request_finished`` once per finished sequence,** whether it holds blocks or not (vLLM's
   ``_free_request`` calls ``_connector_finished`` for every finished request): a sequence
-  aborted before it was admitted tells the connector at once, with no blocks. A finishing
+  aborted before it was admitted tells the connector at once, with no blocks; it is given
+  the blocks of the computed tokens (``get_block_ids_for_computed_tokens``: a load that
+  failed leaves blocks past them). A finishing
   sequence's blocks are kept while the connector says a transfer still reads them (through
   the manager's ``free_delay``), until ``get_finished`` reports it done sending.
 
@@ -70,7 +74,15 @@ before ``allocate_slots``, for one KV-cache group (the course's ``allocate_slots
 default ``kv_load_failure_policy`` is ``"fail"`` (``vllm/config/kv_transfer.py``), which
 fails the request instead. A sequence aborted while its load is in flight is freed as the
 connector's ``request_finished`` says (vLLM keeps the blocks until the load reports done,
-whatever the connector answers: ``finish_requests``).
+whatever the connector answers: ``finish_requests``). ``update_state_after_alloc`` is called
+once per lookup (vLLM calls it again, with no external tokens, when it admits a sequence whose
+load is done: every admission does). A one-token prompt loaded whole backs off to no token
+computed and frees its block before it is looked up again (vLLM keeps the block through that
+lookup). Only asynchronous loads are redone when they fail (vLLM also rewinds a running
+request whose synchronous load failed, ``_handle_invalid_blocks``: the course's synchronous
+loads are copies inside the step). ``tests/fidelity/test_scheduler_declared_differences.py``
+shows each against vLLM's own scheduler; ``tests/fidelity/test_vllm_scheduler_fidelity.py``
+runs the two step by step.
 """
 
 from __future__ import annotations
@@ -336,6 +348,9 @@ class SchedulerV1:
                 skipped_waiting.append(self.waiting_for_remote.pop(0) if holding
                                        else self.waiting.popleft())
                 continue
+            if seq.status == S.WAITING_FOR_REMOTE_KVS:       # its load starts: it waits,
+                skipped_holding.append(seq)                  # in the order it was visited
+                continue
             budget -= admitted
         self.waiting_for_remote[:0] = skipped_holding
         self.waiting.extendleft(reversed(skipped_waiting))
@@ -344,7 +359,8 @@ class SchedulerV1:
                ) -> int | None:
         """Admit ``seq``, the head of ``waiting_for_remote`` (``holding``) or of ``waiting``:
         the tokens it is scheduled (0 for an asynchronous load, which holds its blocks in
-        ``waiting_for_remote`` until the load is reported), -1 when the connector's lookup
+        ``waiting_for_remote`` until the load is reported: the caller queues it there, taken
+        from its queue here), -1 when the connector's lookup
         answered ``None`` (skip it), None when it does not fit (stop admitting). A sequence
         that never fits is finished here (0)."""
         kvm, conn = self.kv_cache_manager, self.kv_connector
@@ -404,7 +420,6 @@ class SchedulerV1:
             seq.num_computed_tokens = num_computed
             if load_async:                        # runs once the worker reports the load
                 seq.status = S.WAITING_FOR_REMOTE_KVS
-                self.waiting_for_remote.append(seq)
                 self.inflight_prefills[seq.seq_id] = seq
                 return 0
         seq.status = S.RUNNING
@@ -496,10 +511,10 @@ class SchedulerV1:
         kvm = self.kv_cache_manager
         if seq.num_computed_tokens:
             kvm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        else:
-            kvm.free(seq.seq_id)                    # not finished: request_finished not asked
         if seq.num_computed_tokens == len(seq):
             seq.num_computed_tokens -= 1
+        if not seq.num_computed_tokens:     # none (or a one-token prompt, backed off): looked
+            kvm.free(seq.seq_id)            # up again (not finished: no request_finished)
         self.finished_recving_kv_req_ids.discard(seq.seq_id)
         seq.status = S.WAITING
 
@@ -521,7 +536,10 @@ class SchedulerV1:
         seq = next((s for s in req.seqs if s.seq_id == seq_id), None) if req else None
         if seq is None or not seq.status.is_finished:
             return False
-        return self._connector_finished(seq, block_ids)
+        # the blocks of its computed tokens (vLLM's get_block_ids_for_computed_tokens): a load
+        # that failed left blocks that hold nothing
+        return self._connector_finished(
+            seq, block_ids[:cdiv(seq.num_computed_tokens, self.cache_config.block_size)])
 
     def _cache_computed(self, e: ScheduledSeq) -> None:
         """The radix design, after the step: a sequence whose step completed a block tells the
@@ -567,8 +585,10 @@ class SchedulerV1:
             "block tables of sequences no queue holds"
         assert self.finished_recving_kv_req_ids <= {
             s.seq_id for s in self.waiting_for_remote if s.status == S.WAITING_FOR_REMOTE_KVS}
-        assert self.inflight_prefills.keys() <= {s.seq_id for s in (*self.running,
-                                                                    *self.waiting_for_remote)}
+        # (a load failed from its first block leaves its sequence waiting, still reserved:
+        # vLLM 0.33.0 keeps it in _inflight_prefills too)
+        assert self.inflight_prefills.keys() <= {s.seq_id for s in (
+            *self.running, *self.waiting_for_remote, *self.waiting)}
         if self.kv_connector is not None and hasattr(self.kv_connector, "check_invariants"):
             self.kv_connector.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs

@@ -61,3 +61,12 @@ def sglang_allocators():
     import upstream
 
     return upstream.load_sglang_allocators(_source("sglang-0.5.23"))
+
+
+@pytest.fixture(scope="session")
+def vllm_scheduler():
+    """vLLM 0.33.0's V1 scheduler and the modules under it (``vllm_scheduler.scheduler``,
+    ``.request``, ``.outputs``, ``.base``, ``.kv_cache_manager``, ...)."""
+    import upstream
+
+    return upstream.load_vllm_scheduler(_source("vllm-0.33.0"))

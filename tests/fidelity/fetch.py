@@ -49,6 +49,17 @@ VLLM_FILES = (
     "vllm/v1/metrics/stats.py",
     "vllm/utils/hashing.py",
     "vllm/utils/math_utils.py",
+    # vLLM's V1 scheduler (upstream.load_vllm_scheduler)
+    "vllm/v1/core/sched/scheduler.py",
+    "vllm/v1/core/sched/interface.py",
+    "vllm/v1/core/sched/output.py",
+    "vllm/v1/core/sched/request_queue.py",
+    "vllm/v1/core/sched/utils.py",
+    "vllm/v1/core/encoder_cache_manager.py",
+    "vllm/v1/request.py",
+    "vllm/v1/outputs.py",
+    "vllm/v1/structured_output/request.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
 )
 SGLANG_FILES = (
     "sglang/srt/mem_cache/radix_cache.py",

@@ -231,12 +231,15 @@ def test_groups_of_different_block_sizes(vllm):
 
 
 def test_every_declared_difference_is_listed_in_the_design_notes():
-    """docs/design_notes.md's section names each test of this module, one bullet each."""
+    """docs/design_notes.md's section names each test of this module and of
+    test_scheduler_declared_differences.py (the scheduler's), one bullet each."""
+    import test_scheduler_declared_differences as scheduler_differences
+
     notes = (Path(__file__).resolve().parents[2] / "docs" / "design_notes.md").read_text()
     section = notes.split("## Declared differences from vLLM 0.33.0 and SGLang 0.5.23")[1]
     section = section.split("\n## ")[0]
-    listed = re.findall(r"^- \*\*.*?\*\* \(`(test_\w+)`\)", section, re.M)
+    listed = re.findall(r"^- \*\*.*?\*\*\s+\(`(test_\w+)`\)", section, re.M)
     this = sys._getframe().f_code.co_name
-    here = {name for name in dir(sys.modules[__name__])
-            if name.startswith("test_") and name != this}
+    here = {name for module in (sys.modules[__name__], scheduler_differences)
+            for name in dir(module) if name.startswith("test_") and name != this}
     assert sorted(listed) == sorted(here)

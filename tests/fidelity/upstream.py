@@ -7,12 +7,17 @@ How: a meta-path finder serves three kinds of module while :func:`load` runs.
   from the extracted files, unchanged.
 * **Packages** above them (``vllm``, ``vllm.v1``, ...): empty packages, so that importing
   ``vllm.v1.core.block_pool`` does not run ``vllm/__init__.py`` (which imports torch and the
-  engine).
+  engine); one that re-exports a real module's names (``REEXPORTS``) gives them from it.
 * **Stubs**: every other module they import (``torch``, ``vllm.config``, ``vllm.v1.request``,
   ``sglang.srt.observability...``): a module whose every attribute is a placeholder class
   (:class:`Placeholder`), except the few names below that the algorithm does read
   (``OVERRIDES``: a logger, ``envs`` flags, a list-backed stand-in for the torch tensor that
-  SGLang's radix tree slices and clones).
+  SGLang's radix tree slices and clones). For vLLM's scheduler (:func:`load_vllm_scheduler`,
+  ``REAL_VLLM_SCHEDULER``: the scheduler, its request, queues, outputs and the connector's
+  base class are real) a few more: plain records for the engine's output structs and enums
+  (msgspec in vLLM), ``ConstantList``, a null profiler scope, the null KV-event publisher, a
+  connector factory that builds the harness's connector, and the multimodal and prompt-length
+  helpers for a text-only request (each asserts it is given no multimodal input).
 
 A placeholder only has to exist: it is an import, an annotation, a default argument, a type
 in an ``isinstance`` check the course's operations never satisfy (KV events, metrics, Mamba,
@@ -27,12 +32,15 @@ a real torch imported later in the same process is the real one; the loaded ``vl
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import importlib
 import importlib.abc
 import importlib.util
 import logging
 import sys
 import types
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,21 @@ REAL_VLLM = (
     "vllm.v1.core.single_type_kv_cache_manager",
     "vllm.v1.core.kv_cache_coordinator",
     "vllm.v1.core.kv_cache_manager",
+)
+# vLLM 0.33.0's V1 scheduler (``Scheduler`` in vllm/v1/core/sched/scheduler.py) with what it
+# runs on: its request, queues, output records, the connector's base class, the encoder cache
+# manager (empty: no multimodal inputs), over the KV-cache modules above.
+REAL_VLLM_SCHEDULER = REAL_VLLM + (
+    "vllm.v1.structured_output.request",
+    "vllm.v1.request",
+    "vllm.v1.core.sched.interface",
+    "vllm.v1.core.sched.output",
+    "vllm.v1.core.sched.request_queue",
+    "vllm.v1.core.sched.utils",
+    "vllm.v1.outputs",
+    "vllm.v1.core.encoder_cache_manager",
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    "vllm.v1.core.sched.scheduler",
 )
 REAL_SGLANG = (
     "sglang.srt.mem_cache.evict_policy",
@@ -222,6 +245,113 @@ class _SglangEnvs:
         raise RuntimeError(f"sglang envs.{name} is stubbed")
 
 
+# ----------------------------------------- what vLLM's scheduler reads (load_vllm_scheduler)
+class _ConstantList(Sequence):
+    """``vllm.v1.utils.ConstantList``: a read-only view of a list (the request's tokens)."""
+
+    def __init__(self, x: list) -> None:
+        self._x = x
+
+    def __getitem__(self, item):
+        return self._x[item]
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __iter__(self):
+        return iter(self._x)
+
+    def __contains__(self, item) -> bool:
+        return item in self._x
+
+    def copy(self) -> list:
+        return self._x.copy()
+
+
+class _EngineCoreEventType(enum.IntEnum):      # vllm/v1/engine/__init__.py's
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class _FinishReason(enum.IntEnum):             # vllm/v1/engine/__init__.py's
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+
+class _Record(types.SimpleNamespace):
+    """``EngineCoreOutput`` / ``EngineCoreOutputs`` (msgspec structs in vLLM): the fields as
+    given, for the harness to read."""
+
+    def __init__(self, **fields) -> None:
+        super().__init__(**fields)
+
+
+class _EventPublisherFactory:
+    """``vllm.distributed.kv_events.EventPublisherFactory``: no ``kv_events_config``, so the
+    scheduler gets vLLM's null publisher; the harness makes no KV events (publishing one is a
+    path it does not load for real)."""
+
+    @staticmethod
+    def create(config, data_parallel_rank: int = 0):
+        assert config is None, config
+
+        class NullEventPublisher:
+            def publish(self, events):
+                raise RuntimeError("the fidelity harness makes no KV-cache events")
+
+            def shutdown(self):
+                pass
+
+        return NullEventPublisher()
+
+
+class _KVConnectorFactory:
+    """``KVConnectorFactory.create_connector``: the connector class named by the config's
+    ``kv_transfer_config.kv_connector``, here the harness's scripted one, given as the class
+    itself (``kv_transfer_config.connector_class``): vLLM imports it by name from a registry."""
+
+    @staticmethod
+    def create_connector(config, role, kv_cache_config):
+        return config.kv_transfer_config.connector_class(config, role, kv_cache_config)
+
+
+def _length_from_prompt_token_ids_or_embeds(prompt_token_ids, prompt_embeds) -> int:
+    """``vllm.utils.length_from_prompt_token_ids_or_embeds``, for token ids (no embeddings)."""
+    assert prompt_embeds is None
+    return len(prompt_token_ids)
+
+
+def _strip_covered_mm_data(mm_features, num_computed_tokens, uses_mrope=False):
+    """``vllm.multimodal.utils.strip_covered_mm_data`` for a request with no multimodal
+    inputs (the only kind the harness makes): it returns them as they are."""
+    assert not mm_features, "the fidelity harness makes no multimodal requests"
+    return mm_features
+
+
+# Package modules (empty, above the real modules) that re-export names of a real module:
+# ``from package import Name`` imports the real module and gives its ``Name``.
+REEXPORTS: dict[str, dict[str, str]] = {
+    # kv_connector/v1/__init__.py also imports DecodeBenchConnector (torch): not loaded
+    "vllm.distributed.kv_transfer.kv_connector.v1": dict.fromkeys(
+        ("KVConnectorBase_V1", "KVConnectorRole", "SupportsHMA", "supports_hma"),
+        "vllm.distributed.kv_transfer.kv_connector.v1.base"),
+}
+
+
+class _Package(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        source = REEXPORTS.get(self.__name__, {}).get(name)
+        if source is None:
+            raise AttributeError(name)
+        value = getattr(importlib.import_module(source), name)
+        setattr(self, name, value)
+        return value
+
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "vllm.logger": {"init_logger": _Logger},
     # no engine config: KVCacheSpecRegistry registers the built-in specs without one
@@ -234,6 +364,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # allocator/paged.py, at import and in __init__: not ROCm, SGLANG_DEBUG_MEMORY_POOL unset
     "sglang.srt.utils": {"is_hip": lambda: False,
                          "get_bool_env_var": lambda name, default="false": False},
+    # vLLM's scheduler (load_vllm_scheduler)
+    "vllm.utils": {"length_from_prompt_token_ids_or_embeds":
+                   _length_from_prompt_token_ids_or_embeds},
+    "vllm.v1.utils": {"ConstantList": _ConstantList,
+                      "record_function_or_nullcontext": lambda name: contextlib.nullcontext()},
+    "vllm.v1.engine": {"EngineCoreEventType": _EngineCoreEventType,
+                       "FinishReason": _FinishReason,
+                       "EngineCoreOutput": _Record, "EngineCoreOutputs": _Record},
+    "vllm.distributed.kv_events": {"EventPublisherFactory": _EventPublisherFactory},
+    "vllm.multimodal.utils": {"strip_covered_mm_data": _strip_covered_mm_data},
+    "vllm.distributed.kv_transfer.kv_connector.factory": {
+        "KVConnectorFactory": _KVConnectorFactory},
 }
 MODULE_OVERRIDES = {"vllm.envs": lambda: _VllmEnvs("vllm.envs")}
 
@@ -262,8 +404,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if name in MODULE_OVERRIDES:
             return MODULE_OVERRIDES[name]()
         if name in self.packages:
-            module = types.ModuleType(name)
+            module = _Package(name)
             module.__path__ = []
+            module.__dict__.update(OVERRIDES.get(name, {}))
             return module
         return _StubModule(name, OVERRIDES.get(name, {}))
 
@@ -313,4 +456,19 @@ def load_sglang(root: Path) -> types.SimpleNamespace:
 def load_sglang_allocators(root: Path) -> types.SimpleNamespace:
     """SGLang 0.5.23's KV-slot allocators (``ns.token``, ``ns.paged``, ``ns.base``)."""
     mods = load({"sglang": root}, REAL_SGLANG_ALLOCATORS)
+    return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})
+
+
+def load_vllm_scheduler(root: Path) -> types.SimpleNamespace:
+    """vLLM 0.33.0's V1 scheduler and the modules under it (``ns.scheduler``, ``ns.request``,
+    ``ns.outputs``, ``ns.base`` (the connector's), ``ns.kv_cache_manager``, ...). Loaded afresh:
+    :func:`load_vllm` leaves ``vllm.v1.request`` a stub in ``sys.modules``, which the scheduler
+    needs real; the modules :func:`load_vllm` returned keep working (each holds its own)."""
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+    def warm(loaded):
+        loaded["vllm.v1.kv_cache_spec_registry"].KVCacheSpecRegistry._ensure_registered()
+
+    mods = load({"vllm": root}, REAL_VLLM_SCHEDULER, warm)
     return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})

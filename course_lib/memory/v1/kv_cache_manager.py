@@ -215,7 +215,9 @@ class KVCacheManager(V1ManagerBase):
         if any(hits):                            # a hit: touched before anything is evicted
             coordinator.allocate_new_computed_blocks(seq_id, hits, num_computed)
         coordinator.allocate_new_blocks(seq_id, total)   # extend, never rebuild
-        self.num_slots[seq_id] = total
+        # the table's slots: it never shrinks (after a KV connector's load failed past the
+        # tokens computed, the step asks for fewer slots than the table has; vLLM keeps them)
+        self.num_slots[seq_id] = max(total, self.num_slots.get(seq_id, 0))
         if not delay_cache_blocks:
             self.cache_blocks(seq_id, token_ids, total)
         return self.req_to_block_ids[seq_id]

@@ -152,7 +152,8 @@ class SingleTypeKVCacheManager:
                 break
             freed.append(blocks[i])
             blocks[i], ids[i] = null, null.block_id
-        self.block_pool.free_blocks(freed)
+        if freed:
+            self.block_pool.free_blocks(freed)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no later token reads (module docstring). Full attention: none."""
