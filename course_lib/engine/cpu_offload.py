@@ -32,7 +32,10 @@ memory) a second tier holds copies of full prefix blocks in CPU memory:
 * **Load on a hit.** A waiting request whose local (GPU) prefix hit stops short asks the tier
   (``get_num_new_matched_tokens``): the consecutive blocks after the GPU hit that the tier
   holds are loaded into freshly allocated GPU blocks before the forward, instead of being
-  recomputed; the request starts with them computed.
+  recomputed; the request starts with them computed. A hit on a block another request is
+  loading asynchronously this step answers ``None`` ("ask me again"): the request waits a
+  step and finds the block in the GPU prefix cache then, rather than loading it twice (vLLM
+  0.33.0's ``_chunks_being_loaded`` in ``_lookup_complete_chunks``, ``offloading/scheduler.py``).
 * **Synchronous by default.** Loads complete before the step's forward, saves before it
   returns (``wait_for_save``), so a request never waits and its blocks are never kept past
   its end. ``load_async=True`` takes vLLM's asynchronous path instead: the request waits in
@@ -59,6 +62,16 @@ memory) a second tier holds copies of full prefix blocks in CPU memory:
   (``start_kv_transfers``), and ``wait_for_save`` defers the step's stores to the next step's
   submission (``prepare_store_kv``), so the copies overlap the GPU's work; the course shows
   the protocol, not the overlap.
+* *An offer the tier cannot take whole.* The course stores its blocks one by one while the
+  tier has a block to give (free, or held and not loaded from or written this step), and the
+  offer moves on. vLLM stores an offer whole or not at all: ``prepare_store``
+  (``vllm/v1/kv_offload/cpu/manager.py``) answers None when the tier cannot take all its new
+  blocks, and ``_build_store_jobs`` (``offloading/scheduler.py``) leaves
+  ``next_stored_chunk_idx`` where it was, so the next step offers them again, and the step
+  after a request finished too (it walks ``finished_req_ids``, reading the freed GPU
+  blocks). A tier of a few blocks then stores nothing of a long prompt, where the course's
+  keeps its head; with room to spare the two are the same. The tier's eviction order differs
+  too (:class:`CPUBlockPool`: vLLM evicts a request's tail first).
 
 After a failed step the engine's recovery empties the tier
 (:meth:`CPUOffloadConnector.reset_cache`): a store the step planned may not have been copied,
@@ -219,6 +232,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self._lookup: dict[int, int] = {}          # seq_id -> its local hit (tokens)
         self._loads: list[tuple[int, int]] = []
         self._async_seq_ids: list[int] = []
+        self._loading: set[bytes] = set()          # hashes of this step's asynchronous loads
         self._next_stored: dict[int, int] = {}     # seq_id -> first block its stores offer
         #                               (vLLM's next_stored_chunk_idx; per live sequence)
         # worker side
@@ -265,10 +279,11 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         return self.kv_cache_manager.req_to_block_hashes.get(seq.seq_id, [])
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
+                                   ) -> tuple[int | None, bool]:
         """The full blocks right after the GPU hit that the tier holds, at most up to
         ``len(seq) - 1`` tokens (the block hashes were computed by the GPU lookup; "one token
-        short" in the module docstring); the sequence's store offer restarts at block 0."""
+        short" in the module docstring), or None when one of them is being loaded for another
+        request this step (module docstring); the sequence's store offer restarts at block 0."""
         bs, hashes = self.block_size, self._hashes(seq)
         first, last = num_computed_tokens // bs, (len(seq) - 1) // bs
         n = 0
@@ -278,6 +293,8 @@ class CPUOffloadConnector(KVConnectorBase_V1):
             n += 1
         self._lookup[seq.seq_id] = num_computed_tokens
         self._next_stored[seq.seq_id] = 0          # the offer restarts at block 0 (docstring)
+        if any(hashes[i] in self._loading for i in range(first, first + n)):
+            return None, False                     # loading for another request: ask again
         return n * bs, self.load_async and n > 0
 
     def update_state_after_alloc(self, seq: Sequence, block_ids: SequenceABC[int],
@@ -301,6 +318,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self.num_loaded_blocks += num_external_tokens // bs
         if self.load_async:
             self._async_seq_ids.append(seq.seq_id)
+            self._loading.update(hashes[first:first + num_external_tokens // bs])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CPUOffloadMetadata:
         """This step's loads, and a store for each full block offered whose hash the tier
@@ -339,6 +357,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         self.num_stored_blocks += len(stores)
         meta = CPUOffloadMetadata(self._loads, self._async_seq_ids, stores)
         self._loads, self._async_seq_ids, self._lookup = [], [], {}
+        self._loading = set()           # loaded by the step's end (the copies run in the step)
         return meta
 
     def request_finished(self, seq: Sequence, block_ids: list[int]
@@ -398,7 +417,7 @@ class CPUOffloadConnector(KVConnectorBase_V1):
         super().reset_cache()
         self.cpu_pool.reset()
         self._lookup, self._loads, self._async_seq_ids = {}, [], []
-        self._next_stored = {}
+        self._loading, self._next_stored = set(), {}
         self._finished_recving = set()
 
     def check_invariants(self) -> None:

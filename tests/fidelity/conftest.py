@@ -70,3 +70,12 @@ def vllm_scheduler():
     import upstream
 
     return upstream.load_vllm_scheduler(_source("vllm-0.33.0"))
+
+
+@pytest.fixture(scope="session")
+def vllm_offloading():
+    """vLLM 0.33.0's V1 scheduler with its offloading connector's scheduler side and CPU
+    manager (``vllm_offloading.offloading_scheduler``, ``.manager``, ``.scheduler``, ...)."""
+    import upstream
+
+    return upstream.load_vllm_offloading(_source("vllm-0.33.0"))

@@ -60,6 +60,22 @@ VLLM_FILES = (
     "vllm/v1/outputs.py",
     "vllm/v1/structured_output/request.py",
     "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
+    # its offloading connector's scheduler side and CPU manager (upstream.load_vllm_offloading)
+    "vllm/v1/metrics/cache_hit_source.py",
+    "vllm/v1/kv_offload/config.py",
+    "vllm/v1/kv_offload/base.py",
+    "vllm/v1/kv_offload/cpu/common.py",
+    "vllm/v1/kv_offload/cpu/manager.py",
+    "vllm/v1/kv_offload/cpu/policies/base.py",
+    "vllm/v1/kv_offload/cpu/policies/lru.py",
+    "vllm/v1/kv_offload/cpu/policies/factory.py",
+    "vllm/distributed/kv_transfer/kv_connector/utils.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/common.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/events.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/metrics.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
 )
 SGLANG_FILES = (
     "sglang/srt/mem_cache/radix_cache.py",

@@ -26,8 +26,11 @@ uses fails loudly (:class:`Placeholder` raises), so a stub can never stand in fo
 algorithm silently.
 
 The third-party stubs (torch, msgspec, zmq, ...) leave ``sys.modules`` when loading ends, so
-a real torch imported later in the same process is the real one; the loaded ``vllm.*`` and
-``sglang.*`` modules stay (they name themselves as the real ones do).
+a real torch imported later in the same process is the real one, and a real one imported
+before is set aside while loading (the course's CPU tier imports torch and numpy); the loaded
+``vllm.*`` and ``sglang.*`` modules stay (they name themselves as the real ones do). The
+offloading connector's modules (:func:`load_vllm_offloading`) get the real numpy: its
+transfer specs hold their block ids in numpy arrays.
 """
 
 from __future__ import annotations
@@ -71,6 +74,27 @@ REAL_VLLM_SCHEDULER = REAL_VLLM + (
     "vllm.v1.core.encoder_cache_manager",
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
     "vllm.v1.core.sched.scheduler",
+)
+# vLLM 0.33.0's offloading connector, scheduler side (``OffloadingConnectorScheduler`` in
+# vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py) with the CPU tier's
+# manager (``CPUOffloadingManager`` in vllm/v1/kv_offload/cpu/manager.py, its ``lru`` policy),
+# the spec base class, the transfer records and the stats records it fills, over the scheduler.
+REAL_VLLM_OFFLOADING = REAL_VLLM_SCHEDULER + (
+    "vllm.v1.metrics.cache_hit_source",
+    "vllm.v1.kv_offload.config",
+    "vllm.v1.kv_offload.base",
+    "vllm.v1.kv_offload.cpu.common",
+    "vllm.v1.kv_offload.cpu.policies.base",
+    "vllm.v1.kv_offload.cpu.policies.lru",
+    "vllm.v1.kv_offload.cpu.policies.factory",
+    "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
+    "vllm.v1.kv_offload.cpu.manager",
+    "vllm.distributed.kv_transfer.kv_connector.utils",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.common",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.events",
+    "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
 )
 REAL_SGLANG = (
     "sglang.srt.mem_cache.evict_policy",
@@ -382,13 +406,14 @@ MODULE_OVERRIDES = {"vllm.envs": lambda: _VllmEnvs("vllm.envs")}
 
 # ------------------------------------------------------------------------------- the finder
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: dict[str, Path], real: set[str]) -> None:
-        self.roots, self.real = roots, real
+    def __init__(self, roots: dict[str, Path], real: set[str],
+                 real_roots: tuple[str, ...] = ()) -> None:
+        self.roots, self.real, self.real_roots = roots, real, real_roots
         self.packages = {n.rsplit(".", i)[0] for n in real for i in range(1, n.count(".") + 1)}
 
     def _ours(self, name: str) -> bool:
         top = name.split(".")[0]
-        return top in self.roots or top in STUBBED_ROOTS
+        return top in self.roots or top in STUBBED_ROOTS and top not in self.real_roots
 
     def find_spec(self, name, path=None, target=None):
         if not self._ours(name):
@@ -415,15 +440,20 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def load(roots: dict[str, Path], modules: tuple[str, ...],
-         warm=lambda loaded: None) -> dict[str, types.ModuleType]:
+         warm=lambda loaded: None, real_roots: tuple[str, ...] = ()) -> dict[str, types.ModuleType]:
     """Import ``modules`` (real, from the files under ``roots``: top-level package -> the
     folder holding it) and return them by name; ``warm(loaded)`` runs while the stubs are in
-    place (for the code's own lazy imports)."""
+    place (for the code's own lazy imports). A third-party package already imported for real
+    (torch, numpy: the course's own modules import them) is set aside while loading, so that
+    the loaded modules get the stub all the same, unless ``real_roots`` names it (imported
+    first, it is the real one they get)."""
     for top, root in roots.items():
         if not (root / top).is_dir():
             raise FileNotFoundError(f"{root / top} is missing: run tests/fidelity/fetch.py")
+    set_aside = {n: sys.modules.pop(n) for n in list(sys.modules)
+                 if n.split(".")[0] in STUBBED_ROOTS and n.split(".")[0] not in real_roots}
     before = set(sys.modules)
-    finder = _Finder(roots, set(modules))
+    finder = _Finder(roots, set(modules), real_roots)
     sys.meta_path.insert(0, finder)
     try:
         loaded = {name: importlib.import_module(name) for name in modules}
@@ -431,8 +461,9 @@ def load(roots: dict[str, Path], modules: tuple[str, ...],
     finally:
         sys.meta_path.remove(finder)
         for name in set(sys.modules) - before:
-            if name.split(".")[0] in STUBBED_ROOTS:
+            if name.split(".")[0] in STUBBED_ROOTS and name.split(".")[0] not in real_roots:
                 del sys.modules[name]
+        sys.modules.update(set_aside)
     for name, module in loaded.items():
         where = Path(module.__file__).resolve()
         assert where.is_relative_to(roots[name.split(".")[0]].resolve()), (name, where)
@@ -472,3 +503,34 @@ def load_vllm_scheduler(root: Path) -> types.SimpleNamespace:
 
     mods = load({"vllm": root}, REAL_VLLM_SCHEDULER, warm)
     return types.SimpleNamespace(**{n.rsplit(".", 1)[-1]: m for n, m in mods.items()})
+
+
+def load_vllm_offloading(root: Path) -> types.SimpleNamespace:
+    """vLLM 0.33.0's V1 scheduler (as :func:`load_vllm_scheduler`) and its offloading connector's
+    scheduler side with the CPU manager (``ns.scheduler`` is the V1 scheduler's module, the
+    offloading one is ``ns.offloading_scheduler``; ``ns.manager``, ``ns.lru``, ``ns.base``
+    (the connector's), ``ns.kv_offload_base``, ``ns.common``, ...). numpy is the real one
+    (``vllm/v1/kv_offload/base.py`` builds the transfer specs' block-id arrays with it)."""
+    import numpy  # noqa: F401  (imported first: the loaded modules get the real one)
+
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        del sys.modules[name]
+
+    def warm(loaded):
+        loaded["vllm.v1.kv_cache_spec_registry"].KVCacheSpecRegistry._ensure_registered()
+
+    mods = load({"vllm": root}, REAL_VLLM_OFFLOADING, warm, real_roots=("numpy",))
+    renamed = {"vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler":
+               "offloading_scheduler",
+               "vllm.v1.kv_offload.base": "kv_offload_base",
+               "vllm.v1.kv_offload.cpu.common": "cpu_common",
+               "vllm.v1.kv_offload.cpu.policies.base": "policies_base",
+               "vllm.distributed.kv_transfer.kv_connector.v1.metrics": "connector_metrics",
+               "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics":
+               "offloading_metrics",
+               "vllm.v1.kv_offload.config": "offloading_config",
+               "vllm.distributed.kv_transfer.kv_connector.v1.offloading.config":
+               "connector_offloading_config",
+               "vllm.distributed.kv_transfer.kv_connector.utils": "connector_utils"}
+    return types.SimpleNamespace(**{renamed.get(n, n.rsplit(".", 1)[-1]): m
+                                    for n, m in mods.items()})
