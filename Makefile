@@ -53,7 +53,7 @@ help:
 	@echo "make test-notebooks CPU=avx2    every notebook with nbval, torch's CPU kernels forced"
 	@echo "make test-deep              the property tests alone, with ten times the examples"
 	@echo "make test-browser           every chapter in JupyterLab driven by Chromium (needs /usr/bin/chromium)"
-	@echo "make test-fidelity          the V1 and radix managers beside vLLM 0.33.0's and SGLang 0.5.23's code"
+	@echo "make test-fidelity          V1's managers, scheduler and CPU tier, the radix cache, beside vLLM 0.33.0's / SGLang 0.5.23's"
 	@echo "make book                   the course as a static HTML book in build/book/ (stored outputs)"
 	@echo "make lint                   ruff check"
 	@echo "make clean                  remove .venv and caches"
@@ -110,9 +110,10 @@ test-deep: $(STAMP)
 test-browser: $(STAMP)
 	COURSE_BROWSER_TEST=1 $(PY) -m pytest tests/browser -p no:cacheprovider
 
-# The course's V1 and radix managers run side by side with vLLM 0.33.0's and SGLang 0.5.23's own
-# code (tests/fidelity/): their sources are fetched once into FIDELITY_CACHE (PyPI, sha256
-# checked), then the harness and chapter 03's vLLM file check run on them.
+# The course's V1 managers (one group and hybrid), V1 scheduler with a KV connector, CPU tier and
+# radix cache run side by side with vLLM 0.33.0's and SGLang 0.5.23's own code (tests/fidelity/):
+# their sources are fetched once into FIDELITY_CACHE (PyPI, sha256 checked), then the harness and
+# chapter 03's vLLM file check run on them.
 FIDELITY_CACHE ?= .fidelity-cache
 test-fidelity: $(STAMP)
 	$(PY) tests/fidelity/fetch.py $(FIDELITY_CACHE)
