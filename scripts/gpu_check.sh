@@ -71,7 +71,8 @@ step kernel_tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernel
 step triton_exercises 240 python3 -m pytest -q -p no:cacheprovider tests/test_exercises.py \
     tests/test_exercises_ch00.py tests/test_exercises_ch04.py -k "0. or 4. or ch00 or ch04"
 step model_engine_cp_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/test_model.py tests/test_engine.py tests/test_parallel_cp.py tests/test_disagg.py
+    tests/test_model.py tests/test_engine.py tests/test_parallel_cp.py tests/test_disagg.py \
+    tests/test_hybrid_model.py tests/test_hybrid_engine.py
 step notebooks_nbval 420 python3 -m pytest -q -p no:cacheprovider notebooks --nbval \
     --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 300
 step bench_kernels 300 python3 bench/kernels.py --tiles

@@ -22,12 +22,13 @@ pytestmark = pytest.mark.ch14
 torch.set_num_threads(1)
 
 
-def engine(model, num_gpu_blocks: int = 60, caching: bool = False, **cache) -> LLMEngine:
+def engine(model, num_gpu_blocks: int = 60, caching: bool = False, attn: str = "torch",
+           **cache) -> LLMEngine:
     return LLMEngine(model, SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8,
                                             max_model_len=256, enable_chunked_prefill=True),
                      CacheConfig(block_size=4, num_gpu_blocks=num_gpu_blocks, watermark=0.0,
                                  enable_prefix_caching=caching, **cache),
-                     attn_impl="torch", design="v1", stop_token_ids=())
+                     attn_impl=attn, design="v1", stop_token_ids=())
 
 
 @pytest.mark.parametrize("pattern", [SLIDING_FIRST, FULL_FIRST], ids=["sliding-first",
@@ -43,6 +44,20 @@ def test_the_engine_generates_as_dense_with_preemptions_and_hits(pattern, cachin
     assert eng.scheduler.num_preemptions > 0           # the pool was short: recomputed
     if caching:                                          # the 4th prompt shares 36 tokens
         assert eng.block_manager.prefix_cache_stats.hits > 0
+    eng.check_invariants()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", [SLIDING_FIRST, FULL_FIRST], ids=["sliding-first",
+                                                                     "full-first"])
+def test_the_engine_on_cuda_with_the_compiled_kernels(pattern) -> None:
+    """The same run on a GPU, the compiled Triton kernels reading every group's table."""
+    model = hybrid(12, pattern, device="cuda")
+    eng = engine(model, caching=True, attn="auto")
+    prompts = [prompt(40), prompt(27, 3), prompt(33, 10), prompt(40)[:36] + prompt(8, 50)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0))
+    assert [list(o.outputs[0].token_ids) for o in outs] == dense(model, prompts, 30)
+    assert eng.scheduler.num_preemptions > 0
     eng.check_invariants()
 
 
