@@ -6,6 +6,7 @@ import urllib.request
 
 import pytest
 import torch
+from interpreter_only import INTERPRETER_ONLY
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.engine.llm_engine import LLMEngine
@@ -253,6 +254,7 @@ def test_prompt_longer_than_the_context_is_ignored_not_run_in_v0(model) -> None:
     assert_all_blocks_back(engine)
 
 
+@INTERPRETER_ONLY    # a CPU model; compiled: test_engine_on_cuda_gives_the_contiguous_tokens_...
 def test_triton_kernels_path_gives_the_reference_tokens(model, reference) -> None:
     """The interpreted Triton kernels (reshape_and_cache, prefill, decode, copy_blocks) run
     the same engine step; a few tokens only (the interpreter is slow)."""

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from interpreter_only import INTERPRETER_ONLY
 
 import course_lib.exercises as exercises_pkg
 from course_lib.exercises import Exercise, Exercises, Rule
@@ -42,6 +43,10 @@ def _triton_runs() -> bool:
 NO_TRITON = pytest.mark.skipif(not _triton_runs(), reason="the learner writes a Triton kernel")
 CASES = [pytest.param(m, ex, id=ex.number, marks=[NO_TRITON] if ex.needs_triton else [])
          for m in chapter_modules() for ex in m.EXERCISES]
+# the wrong answers of a Triton exercise: judged in Triton's interpreter only
+WRONG_CASES = [pytest.param(m, ex, id=ex.number,
+                            marks=[NO_TRITON, INTERPRETER_ONLY] if ex.needs_triton else [])
+               for m, ex in (p.values for p in CASES)]
 
 
 def stub_like(answer):
@@ -91,7 +96,7 @@ def test_answers_that_do_nothing_fail(module, ex: Exercise):
         assert verdict.attempted and not verdict.ok, str(verdict)
 
 
-@pytest.mark.parametrize("module, ex", CASES)
+@pytest.mark.parametrize("module, ex", WRONG_CASES)
 def test_plausible_wrong_answers_fail_with_a_first_difference(module, ex: Exercise, verdict_of):
     assert ex.wrong, f"{ex.number}: list at least one plausible wrong answer"
     for answer in ex.wrong:
@@ -105,7 +110,7 @@ def pinned(rule: Rule, described: tuple[str, ...]) -> list[str]:
     return [d for d in described if rule.case in d]
 
 
-@pytest.mark.parametrize("module, ex", CASES)
+@pytest.mark.parametrize("module, ex", WRONG_CASES)
 def test_every_rule_is_pinned_by_a_case_its_wrong_answer_fails(module, ex: Exercise, verdict_of):
     """Each rule the statement states has a case among the checker's, and the answer that
     drops the rule fails that very case (not merely some case)."""

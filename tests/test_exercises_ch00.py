@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from interpreter_only import INTERPRETER_ONLY
 
 from course_lib.device import BACKEND
 from course_lib.exercises import ch00, launches
@@ -73,6 +74,7 @@ def test_the_right_numbers_without_a_kernel_fail():
         assert "; and" not in verdict.first_problem          # every case's numbers were right
 
 
+@INTERPRETER_ONLY
 def test_launches_are_recorded_only_inside_the_block():
     from course_lib.kernels import smoke
 
@@ -117,6 +119,7 @@ def test_without_triton_a_stub_is_unattempted_and_an_answer_is_sent_elsewhere(mo
     assert verdict.attempted and not verdict.ok and "runs no Triton" in verdict.first_problem
 
 
+@INTERPRETER_ONLY
 @needs_triton
 def test_a_kernel_that_hangs_is_stopped_and_named(monkeypatch):
     """A Triton case runs under its own, longer deadline; one still running is named."""

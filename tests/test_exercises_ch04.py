@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreter_only import INTERPRETER_ONLY
 
 from course_lib.device import BACKEND
 from course_lib.exercises import ch04, ch04_wrong
@@ -34,6 +35,7 @@ def test_every_case_has_nan_in_the_free_slots_and_minus_one_past_the_table():
             c["head_dim"] * 4
 
 
+@INTERPRETER_ONLY
 def test_the_64_bit_case_passes_2_31_and_stays_virtual():
     """4.1's last case: a slot whose element offset passes 2**31 (an int32 page index
     overflows), in a cache of which only the sequence's slots were written."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from interpreter_only import INTERPRETER_ONLY
 
 import course_lib.exercises as ex_pkg
 from course_lib.exercises import ch02, ch03, ch05, ch08, ch09, ch10, ch11, ch12
@@ -516,6 +517,7 @@ TRITON_MUTANTS = [
 @pytest.mark.skipif(not _triton_runs(), reason="the learner writes a Triton kernel")
 @pytest.mark.parametrize("number, name, make, words", TRITON_MUTANTS,
                          ids=[f"{m[0]} {m[1]}" for m in TRITON_MUTANTS])
+@INTERPRETER_ONLY
 def test_a_wrong_kernel_is_refused_with_its_rule_named(number, name, make, words):
     """An out-of-bounds load or store is a verdict (never a dead notebook kernel), naming the
     argument and the element."""

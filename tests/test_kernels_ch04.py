@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreter_only import INTERPRETER_ONLY
 
 from course_lib.device import BACKEND
 from course_lib.exercises import ch04
@@ -26,6 +27,7 @@ def not_attempted(*args):
     raise NotImplementedError
 
 
+@INTERPRETER_ONLY
 @pytest.mark.skipif(not BACKEND.uses_triton, reason="4.1 is a Triton exercise")
 def test_gather_kv_checker_takes_any_correct_answer_and_names_the_token():
     """4.1's checker compares results and asks for a kernel: torch's own gather, right on
