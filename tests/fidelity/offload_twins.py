@@ -45,7 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness import Mismatch, first_difference
-from scheduler_twins import _in_course_order, _ns, _StructuredOutputManager, token, vllm_config
+from scheduler_twins import (
+    _in_course_order,
+    _StructuredOutputManager,
+    real_add_or_abort,
+    scheduler_side_connector_base,
+    token,
+    vllm_config,
+)
 
 from course_lib.config import CacheConfig, SchedulerConfig
 from course_lib.engine.cpu_offload import CPUOffloadConnector
@@ -231,7 +238,7 @@ def real_connector_class(vllm):
     """A subclass of vLLM's ``KVConnectorBase_V1`` that is ``OffloadingConnector``'s scheduler
     role (``offloading_connector.py``): each call forwarded to its real
     ``OffloadingConnectorScheduler``; ``lookups`` records the answers."""
-    base, kv_base, cfg = vllm.base, vllm.kv_offload_base, vllm.offloading_config
+    kv_base, cfg = vllm.kv_offload_base, vllm.offloading_config
 
     class CPUSpec(kv_base.OffloadingSpec):
         """vLLM's ``CPUOffloadingSpec.get_manager`` with an empty ``extra_config``."""
@@ -253,7 +260,7 @@ def real_connector_class(vllm):
         def get_worker(self, kv_caches):
             raise AssertionError("worker side")
 
-    class OffloadingConnector(base.KVConnectorBase_V1):
+    class OffloadingConnector(scheduler_side_connector_base(vllm)):
         def __init__(self, vllm_config, role, kv_cache_config):
             super().__init__(vllm_config, role, kv_cache_config)
             trace = vllm_config.kv_transfer_config.worker
@@ -301,19 +308,6 @@ def real_connector_class(vllm):
 
         def take_events(self):
             return self.scheduler.take_events()
-
-        # worker side: never called by the scheduler
-        def start_load_kv(self, forward_context, **kwargs):
-            raise AssertionError("worker side")
-
-        def wait_for_layer_load(self, layer_name):
-            raise AssertionError("worker side")
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            raise AssertionError("worker side")
-
-        def wait_for_save(self):
-            raise AssertionError("worker side")
 
     return OffloadingConnector
 
@@ -372,21 +366,8 @@ class RealOffloadTwin:
     def apply(self, op: tuple) -> Any:
         kind, v = op[0], self.vllm
         self.step_record = {"loads": [], "stores": [], "evicted": []}
-        if kind == "add":
-            rid = op[1]
-            params = _ns(max_tokens=self.trace.max_tokens[rid], extra_args=None,
-                         structured_outputs=None, skip_reading_prefix_cache=None,
-                         eos_token_id=None, stop_token_ids=None, min_tokens=0,
-                         repetition_detection=None, num_logprobs=None)
-            req = v.request.Request(str(rid), list(self.trace.prompts[rid]), params, None,
-                                    arrival_time=0.0, block_hasher=self.hasher)
-            self.s.add_request(req)
-            return "added"
-        if kind == "abort":
-            req = self.s.requests.get(str(op[1]))
-            if req is None or req.is_finished():
-                return False
-            return bool(self.s.finish_requests(str(op[1]), self.status.FINISHED_ABORTED))
+        if kind in ("add", "abort"):
+            return real_add_or_abort(self, op)
         policy = self.manager._policy
         before = set(policy.chunks)
         self.refused_now = set()

@@ -318,12 +318,32 @@ class CourseTwin:
 
 
 # ------------------------------------------------------------------------------ vLLM's
+def scheduler_side_connector_base(vllm):
+    """vLLM's own ``KVConnectorBase_V1`` with its worker-side methods, which the harness's
+    connectors never reach (the scheduler alone runs), failing if called."""
+
+    class SchedulerSideConnector(vllm.base.KVConnectorBase_V1):
+        def start_load_kv(self, forward_context, **kwargs):
+            raise AssertionError("worker side")
+
+        def wait_for_layer_load(self, layer_name):
+            raise AssertionError("worker side")
+
+        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+            raise AssertionError("worker side")
+
+        def wait_for_save(self):
+            raise AssertionError("worker side")
+
+    return SchedulerSideConnector
+
+
 def real_connector_class(vllm):
     """A subclass of vLLM's own ``KVConnectorBase_V1`` (scheduler role) over a :class:`_Worker`
     (the config's ``kv_transfer_config.worker``)."""
     base = vllm.base
 
-    class ScriptedConnector(base.KVConnectorBase_V1):
+    class ScriptedConnector(scheduler_side_connector_base(vllm)):
         def __init__(self, vllm_config, role, kv_cache_config):
             super().__init__(vllm_config, role, kv_cache_config)
             self.worker: _Worker = vllm_config.kv_transfer_config.worker
@@ -345,19 +365,6 @@ def real_connector_class(vllm):
         def request_finished(self, request, block_ids):
             return self.worker.finished(int(request.request_id), [b - 1 for b in block_ids]), \
                 None
-
-        # worker side: never called by the scheduler
-        def start_load_kv(self, forward_context, **kwargs):
-            raise AssertionError("worker side")
-
-        def wait_for_layer_load(self, layer_name):
-            raise AssertionError("worker side")
-
-        def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-            raise AssertionError("worker side")
-
-        def wait_for_save(self):
-            raise AssertionError("worker side")
 
     return ScriptedConnector
 
@@ -423,6 +430,25 @@ def vllm_config(trace: Trace, worker: _Worker, connector_class,
     )
 
 
+def real_add_or_abort(twin, op: tuple) -> Any:
+    """An ``("add", rid)`` or ``("abort", rid)`` on a real twin's vLLM ``Scheduler``
+    (``twin.s``, ``twin.vllm``, ``twin.trace``, ``twin.hasher``, ``twin.status``)."""
+    rid = op[1]
+    if op[0] == "add":
+        params = _ns(max_tokens=twin.trace.max_tokens[rid], extra_args=None,
+                     structured_outputs=None, skip_reading_prefix_cache=None,
+                     eos_token_id=None, stop_token_ids=None, min_tokens=0,
+                     repetition_detection=None, num_logprobs=None)
+        req = twin.vllm.request.Request(str(rid), list(twin.trace.prompts[rid]), params, None,
+                                        arrival_time=0.0, block_hasher=twin.hasher)
+        twin.s.add_request(req)
+        return "added"
+    req = twin.s.requests.get(str(rid))
+    if req is None or req.is_finished():
+        return False
+    return bool(twin.s.finish_requests(str(rid), twin.status.FINISHED_ABORTED))
+
+
 class RealTwin:
     """vLLM 0.33.0's ``Scheduler`` under the script (``vllm``: upstream.load_vllm_scheduler)."""
 
@@ -447,21 +473,8 @@ class RealTwin:
 
     def apply(self, op: tuple) -> Any:
         kind, v = op[0], self.vllm
-        if kind == "add":
-            rid = op[1]
-            params = _ns(max_tokens=self.trace.max_tokens[rid], extra_args=None,
-                         structured_outputs=None, skip_reading_prefix_cache=None,
-                         eos_token_id=None, stop_token_ids=None, min_tokens=0,
-                         repetition_detection=None, num_logprobs=None)
-            req = v.request.Request(str(rid), list(self.trace.prompts[rid]), params, None,
-                                    arrival_time=0.0, block_hasher=self.hasher)
-            self.s.add_request(req)
-            return "added"
-        if kind == "abort":
-            req = self.s.requests.get(str(op[1]))
-            if req is None or req.is_finished():
-                return False
-            return bool(self.s.finish_requests(str(op[1]), self.status.FINISHED_ABORTED))
+        if kind in ("add", "abort"):
+            return real_add_or_abort(self, op)
         out = self.s.schedule()
         scheduled = [(int(r), n) for r, n in out.num_scheduled_tokens.items()]
         req_ids = list(out.num_scheduled_tokens)
