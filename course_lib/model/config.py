@@ -4,7 +4,6 @@ plus the per-layer attention of a hybrid model (chapter 14) as transformers spel
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from course_lib.memory.v1.kv_cache_groups import get_kv_cache_groups
@@ -14,7 +13,7 @@ from course_lib.memory.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from course_lib.sizing.blocks import check_block_size
-from course_lib.sizing.models import FULL_ATTENTION, SLIDING_ATTENTION
+from course_lib.sizing.models import FULL_ATTENTION, SLIDING_ATTENTION, checked_layer_types
 
 # the layer types the tiny model runs: the paged kernels take a sliding window
 # (course_lib.kernels.paged_attention), not a chunk nor a recurrent state
@@ -69,18 +68,10 @@ class ModelConfig:
         """``layer_types``: empty, or one of ``MODEL_LAYER_TYPES`` per layer (a list, as JSON
         gives it, is kept as a tuple: the config is hashable); ``sliding_window`` an integer
         >= 1 exactly when some layer is ``"sliding_attention"``, else 0."""
-        types, window = self.layer_types, self.sliding_window
-        if isinstance(types, str) or not isinstance(types, Sequence):
-            raise ValueError(f"layer_types must be a sequence of {MODEL_LAYER_TYPES}, got "
-                             f"{type(types).__name__} {types!r:.60}")
-        object.__setattr__(self, "layer_types", tuple(types))
-        if types and len(types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries; it must have one per "
-                             f"layer, num_layers={self.num_layers} (or none: all full)")
-        for i, kind in enumerate(types):
-            if kind not in MODEL_LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]={kind!r}: the tiny model runs "
-                                 f"{', '.join(MODEL_LAYER_TYPES)}")
+        types = checked_layer_types(self.layer_types, self.num_layers, MODEL_LAYER_TYPES,
+                                    f": the tiny model runs {', '.join(MODEL_LAYER_TYPES)}")
+        object.__setattr__(self, "layer_types", types)
+        window = self.sliding_window
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"sliding_window must be an integer >= 0 (tokens; 0: none), got "
                              f"{window!r}")

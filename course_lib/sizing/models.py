@@ -61,6 +61,24 @@ def gated_delta_net_state_bytes(num_k_heads: int, num_v_heads: int, head_k_dim: 
     return (conv_state + delta_state) * dtype_bytes
 
 
+def checked_layer_types(types: object, num_layers: int, known: tuple[str, ...],
+                        unknown: str) -> tuple[str, ...]:
+    """``layer_types`` as a tuple (a config is hashable), after the checks every config that
+    names its layers' attention makes (``ModelSpec`` here, the tiny model's ``ModelConfig``):
+    a sequence, not a string; empty (all full attention) or one entry per layer; each entry in
+    ``known``, else a ``ValueError`` ending in ``unknown``."""
+    if isinstance(types, str) or not isinstance(types, Sequence):
+        raise ValueError(f"layer_types must be a sequence of {known}, got "
+                         f"{type(types).__name__} {types!r:.60}")
+    if types and len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries; it must have one per "
+                         f"layer, num_layers={num_layers} (or none: all full)")
+    for i, kind in enumerate(types):
+        if kind not in known:
+            raise ValueError(f"layer_types[{i}]={kind!r}{unknown}")
+    return tuple(types)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The few numbers of a decoder that decide its KV-cache and weight memory.
@@ -130,18 +148,9 @@ class ModelSpec:
     def _check_layer_types(self) -> None:
         """layer_types: empty, or one known type per layer; each type's size set exactly when
         a layer has that type. A list is kept as a tuple (a spec is hashable)."""
-        types = self.layer_types
-        if isinstance(types, str) or not isinstance(types, Sequence):
-            raise ValueError(f"layer_types must be a sequence of {LAYER_TYPES}, got "
-                             f"{type(types).__name__} {types!r:.60}")
-        object.__setattr__(self, "layer_types", tuple(types))
-        if types and len(types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries; it must have one per "
-                             f"layer, num_layers={self.num_layers} (or none: all full)")
-        for i, kind in enumerate(types):
-            if kind not in LAYER_TYPES:
-                raise ValueError(f"layer_types[{i}]={kind!r} is not a layer type; valid: "
-                                 f"{', '.join(LAYER_TYPES)}")
+        types = checked_layer_types(self.layer_types, self.num_layers, LAYER_TYPES,
+                                    f" is not a layer type; valid: {', '.join(LAYER_TYPES)}")
+        object.__setattr__(self, "layer_types", types)
         for kind, field, unit in ((SLIDING_ATTENTION, "sliding_window", "tokens"),
                                   (CHUNKED_ATTENTION, "attention_chunk_size", "tokens"),
                                   (LINEAR_ATTENTION, "linear_state_bytes", "bytes")):

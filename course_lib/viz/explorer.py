@@ -145,13 +145,10 @@ class BlockTableExplorer:
         self.scenario = scenario or default_scenario()
         self.dpi = dpi
         last = len(self.scenario.steps)
-        self.controls = StepControls(last, self._render)
-        c = self.controls
+        self.controls = c = StepControls(last, self._render)
         self.step, self.play, self.prev_button, self.next_button = (
             c.step, c.play, c.prev_button, c.next_button)
-        self.caption = widgets.HTML()
-        self.image = widgets.Image(format="png")
-        self.widget = widgets.VBox([c.box, self.caption, self.image])
+        self.caption, self.image, self.widget = c.caption, c.image, c.widget
         self.run = ScenarioRun(self.scenario, 0)
         self._render()
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ipywidgets as widgets
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
@@ -238,13 +237,10 @@ class HybridTablesExplorer:
         self.scenario = scenario or GrowthScenario()
         self.dpi = dpi
         last = self.scenario.num_steps
-        self.controls = StepControls(last, self._render)
-        c = self.controls
+        self.controls = c = StepControls(last, self._render)
         self.step, self.play, self.prev_button, self.next_button = (
             c.step, c.play, c.prev_button, c.next_button)
-        self.caption = widgets.HTML()
-        self.image = widgets.Image(format="png")
-        self.widget = widgets.VBox([c.box, self.caption, self.image])
+        self.caption, self.image, self.widget = c.caption, c.image, c.widget
         self.run = GrowthRun(self.scenario, 0)
         self._render()
 

@@ -48,6 +48,7 @@ from harness import Mismatch, first_difference
 from scheduler_twins import (
     _in_course_order,
     _StructuredOutputManager,
+    random_ops,
     real_add_or_abort,
     scheduler_side_connector_base,
     token,
@@ -96,17 +97,7 @@ def random_offload_trace(rng: random.Random, *, aligned_prompts: bool = False,
         if rid and rng.random() < 0.2:
             prompts[rid] = list(prompts[rng.randrange(rid)])       # the same prompt again
         max_tokens[rid] = rng.randint(1, 6)
-    ops: list[tuple] = []
-    pending = list(range(n))
-    for _ in range(rng.randint(n, 50)):
-        r = rng.random()
-        if pending and r < 0.3:
-            ops.append(("add", pending.pop(0)))
-        elif r < 0.34:
-            ops.append(("abort", rng.randrange(n)))
-        else:
-            ops.append(("step",))
-    ops += [("add", rid) for rid in pending] + [("step",)] * 40
+    ops = random_ops(rng, n, max_ops=50, abort_below=0.34)
     max_len = max(len(p) + max_tokens[r] for r, p in prompts.items())
     num_blocks = max(rng.randint(4, 24), -(-max_len // bs))      # each request fits alone
     num_cpu_blocks = rng.randint(8, 20) if tight_tier else 200

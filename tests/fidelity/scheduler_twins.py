@@ -84,6 +84,23 @@ def token(rid: int, pos: int) -> int:
     return 1 + (rid * 1_000_003 + pos * 7919) % 30_000
 
 
+def random_ops(rng: random.Random, n: int, max_ops: int, abort_below: float) -> list[tuple]:
+    """A trace's operations on requests ``0 .. n - 1``: ``n`` to ``max_ops`` random ones (add
+    the next request with probability 0.3, abort a random one below ``abort_below``, else
+    step), then every request not added yet, then 40 steps to drain."""
+    ops: list[tuple] = []
+    pending = list(range(n))
+    for _ in range(rng.randint(n, max_ops)):
+        r = rng.random()
+        if pending and r < 0.3:
+            ops.append(("add", pending.pop(0)))
+        elif r < abort_below:
+            ops.append(("abort", rng.randrange(n)))
+        else:
+            ops.append(("step",))
+    return ops + [("add", rid) for rid in pending] + [("step",)] * 40
+
+
 def random_trace(rng: random.Random, *, sync_whole_prompt: bool = False) -> Trace:
     """A small random trace: few blocks (preemptions), a binding ``max_num_seqs`` now and
     then, prompts sharing prefixes (local hits), every kind of answer. A synchronous answer
@@ -111,17 +128,7 @@ def random_trace(rng: random.Random, *, sync_whole_prompt: bool = False) -> Trac
             fail = None if rng.random() < 0.7 else rng.randint(0, 2)
             script.append(Answer(max(tokens, 0), load_async, rng.randint(1, 3), fail))
         answers[rid] = script
-    ops: list[tuple] = []
-    pending = list(range(n))
-    for _ in range(rng.randint(n, 40)):
-        r = rng.random()
-        if pending and r < 0.3:
-            ops.append(("add", pending.pop(0)))
-        elif r < 0.36:
-            ops.append(("abort", rng.randrange(n)))
-        else:
-            ops.append(("step",))
-    ops += [("add", rid) for rid in pending] + [("step",)] * 40
+    ops = random_ops(rng, n, max_ops=40, abort_below=0.36)
     num_blocks = rng.randint(4, 40)
     max_len = max(len(p) + max_tokens[r] for r, p in prompts.items())
     num_blocks = max(num_blocks, -(-max_len // bs))       # each request fits alone
